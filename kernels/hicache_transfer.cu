@@ -1,0 +1,434 @@
+// HiCache KV row copies between GPU memory and pinned host memory.
+//
+// Torch-free on purpose: this file includes only the CUDA runtime, so it
+// compiles in about a second (torch/extension.h in a .cu file costs over a
+// minute on a small machine). binding.cpp exposes the launcher to PyTorch.
+//
+// Two kernels, both gathering rows by index on either side:
+//   copy_rows_plain  vectorized loads/stores from SM threads; any GPU, any row
+//                    size that is a multiple of 4 bytes. Each thread keeps
+//                    kPlainUnroll independent loads in flight, because a load
+//                    from host memory waits a PCIe round trip (~1-2 us).
+//   copy_rows_bulk   Hopper's bulk-copy engine (cp.async.bulk): one lane per
+//                    row stages rows through shared memory, several chunks of
+//                    32 rows deep, so a handful of CTAs keeps the link busy.
+//                    Needs sm_90+, 16-byte aligned rows and strides.
+// One build serves every row size, both index types and both directions: the
+// row size is a runtime argument, not a template parameter.
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <atomic>
+
+#include "hicache_transfer.h"
+
+namespace {
+
+constexpr int kPlainThreads = 512;
+constexpr int kPlainUnroll = 8;
+constexpr int kBulkLanes = 32;       // rows per chunk: one per lane of the warp
+constexpr int kBulkMaxStages = 32;   // one mbarrier per lane at most
+constexpr int kBulkBarrierBytes = 256;  // kBulkMaxStages mbarriers, 8 bytes each
+constexpr int64_t kMaxWork = (int64_t{1} << 31) - 1;  // 32-bit work counters
+
+// Exact n / d for 0 <= n < 2^31 and 1 <= d < 2^31 with a multiply and a
+// shift: integer division would cost more than the copy itself per 16 bytes.
+struct FastDiv {
+  uint32_t divisor, multiplier, shift;
+
+  static FastDiv make(uint32_t d) {
+    FastDiv f{d, 0, 0};
+    if (d > 1) {
+      uint32_t log2_ceil = 0;
+      while ((uint64_t{1} << log2_ceil) < d) ++log2_ceil;
+      const uint32_t p = 31 + log2_ceil;
+      f.multiplier = static_cast<uint32_t>(((uint64_t{1} << p) + d - 1) / d);
+      f.shift = p - 32;
+    }
+    return f;
+  }
+
+  __device__ __forceinline__ void divmod(uint32_t n, uint32_t& q, uint32_t& r) const {
+    q = divisor == 1 ? n : (__umulhi(n, multiplier) >> shift);
+    r = n - q * divisor;
+  }
+};
+
+struct KernelParams {
+  HicacheTransfer t;
+  FastDiv planes;        // rows per item: num_caches * num_layers
+  FastDiv layers;        // num_layers
+  FastDiv vecs_per_row;  // plain kernel: row_bytes / vector width
+  uint32_t num_rows;     // num_items * planes (< 2^31)
+  uint32_t total_vecs;   // plain kernel: num_rows * vecs_per_row (< 2^31)
+  uint32_t bulk_stages;  // bulk kernel: chunks of 32 rows in flight per CTA
+};
+
+__device__ __forceinline__ void report(const HicacheTransfer& t, int word) {
+  if (t.error_flags != nullptr) reinterpret_cast<volatile uint32_t*>(t.error_flags)[word] = 1;
+}
+
+template <typename Index>
+__device__ __forceinline__ int64_t load_index(const void* indices, uint32_t i) {
+  return static_cast<int64_t>(__ldg(static_cast<const Index*>(indices) + i));
+}
+
+// Source and destination addresses of flattened row `row`, or false when the
+// row is skipped (negative index) or refused (index out of range).
+template <typename Index>
+__device__ __forceinline__ bool resolve_row(const KernelParams& p, uint32_t row,
+                                            const char*& src, char*& dst) {
+  const HicacheTransfer& t = p.t;
+  uint32_t item, plane, cache, layer;
+  p.planes.divmod(row, item, plane);
+  p.layers.divmod(plane, cache, layer);
+  const int64_t si = load_index<Index>(t.indices_src, item);
+  const int64_t di = load_index<Index>(t.indices_dst, item);
+  if (si < 0 || di < 0) return false;
+  if (t.src_rows >= 0 && si >= t.src_rows) {
+    report(t, HICACHE_ERR_SRC_INDEX);
+    return false;
+  }
+  if (t.dst_rows >= 0 && di >= t.dst_rows) {
+    report(t, HICACHE_ERR_DST_INDEX);
+    return false;
+  }
+  const uint64_t* src_table = cache ? t.src_tables[1] : t.src_tables[0];
+  const uint64_t* dst_table = cache ? t.dst_tables[1] : t.dst_tables[0];
+  const uint64_t src_base = src_table ? __ldg(src_table + layer) : (cache ? t.src_bases[1] : t.src_bases[0]);
+  const uint64_t dst_base = dst_table ? __ldg(dst_table + layer) : (cache ? t.dst_bases[1] : t.dst_bases[0]);
+  src = reinterpret_cast<const char*>(src_base + static_cast<uint64_t>(si * t.src_stride));
+  dst = reinterpret_cast<char*>(dst_base + static_cast<uint64_t>(di * t.dst_stride));
+  return true;
+}
+
+// Word-by-word copy for rows whose addresses miss the vector alignment (only
+// reachable through raw pointer tables; tensors are checked in Python).
+__device__ __noinline__ void copy_words(const HicacheTransfer& t, const char* src, char* dst,
+                                        uint32_t bytes) {
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 3) != 0) {
+    report(t, HICACHE_ERR_MISALIGNED);
+    return;
+  }
+  for (uint32_t i = 0; i < bytes; i += 4) {
+    *reinterpret_cast<uint32_t*>(dst + i) = *reinterpret_cast<const uint32_t*>(src + i);
+  }
+}
+
+template <int kVec> struct VecOf;
+template <> struct VecOf<4> { using type = uint32_t; };
+template <> struct VecOf<8> { using type = uint2; };
+template <> struct VecOf<16> { using type = uint4; };
+
+// Work item e covers bytes [vec * kVec, (vec + 1) * kVec) of flattened row
+// `row`; consecutive threads take consecutive items, so a warp reads and
+// writes whole contiguous spans of a row.
+template <typename Index, int kVec>
+__global__ void __launch_bounds__(kPlainThreads) copy_rows_plain(const KernelParams p) {
+  using V = typename VecOf<kVec>::type;
+  const uint32_t total = p.total_vecs;
+  const uint32_t step = gridDim.x * kPlainThreads * kPlainUnroll;
+  for (uint32_t base = blockIdx.x * kPlainThreads * kPlainUnroll + threadIdx.x; base < total;
+       base += step) {
+    V data[kPlainUnroll];
+    V* dst[kPlainUnroll];
+#pragma unroll
+    for (int u = 0; u < kPlainUnroll; ++u) {
+      dst[u] = nullptr;
+      const uint32_t e = base + u * kPlainThreads;
+      if (e >= total) continue;
+      uint32_t row, vec;
+      p.vecs_per_row.divmod(e, row, vec);
+      const char* s;
+      char* d;
+      if (!resolve_row<Index>(p, row, s, d)) continue;
+      s += vec * kVec;
+      d += vec * kVec;
+      if (((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d)) & (kVec - 1)) == 0) {
+        data[u] = __ldg(reinterpret_cast<const V*>(s));
+        dst[u] = reinterpret_cast<V*>(d);
+      } else {
+        copy_words(p.t, s, d, kVec);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kPlainUnroll; ++u) {
+      if (dst[u] != nullptr) *dst[u] = data[u];
+    }
+  }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* global_src, uint32_t bytes,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(smem_dst)),
+      "l"(global_src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_store(void* global_dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(global_dst),
+               "r"(smem_addr(smem_src)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Waits until at most one committed bulk store of this thread still reads
+// shared memory.
+__device__ __forceinline__ void bulk_wait_read_all_but_one() {
+  asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+}
+
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+#endif
+
+// One warp per CTA. Chunk k of this CTA holds 32 consecutive flattened rows,
+// lane i owning row i and its shared-memory slot in stage k % stages. A stage
+// goes: bulk load (host or device -> shared, completing on the stage's
+// mbarrier) -> bulk store (shared -> destination) -> refill with chunk
+// k + stages once the store has read the slot.
+template <typename Index>
+__global__ void __launch_bounds__(kBulkLanes, 1) copy_rows_bulk(const KernelParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
+  unsigned char* slots = smem + kBulkBarrierBytes;
+  const uint32_t lane = threadIdx.x;
+  const uint32_t stages = p.bulk_stages;
+  const uint32_t row_bytes = static_cast<uint32_t>(p.t.row_bytes);
+  const uint32_t num_chunks = (p.num_rows + kBulkLanes - 1) / kBulkLanes;
+  if (blockIdx.x >= num_chunks) return;
+  const uint32_t my_chunks = (num_chunks - blockIdx.x + gridDim.x - 1) / gridDim.x;
+
+  if (lane < stages) mbar_init(&bars[lane], 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncwarp();
+
+  auto slot = [&](uint32_t stage) { return slots + (stage * kBulkLanes + lane) * row_bytes; };
+  // Resolves this lane's row of chunk k; true when it goes through the bulk
+  // engine (16-byte aligned), false when skipped or copied word by word.
+  auto bulk_row = [&](uint32_t k, const char*& s, char*& d, bool copy_misaligned) {
+    const uint32_t row = (blockIdx.x + k * gridDim.x) * kBulkLanes + lane;
+    if (row >= p.num_rows || !resolve_row<Index>(p, row, s, d)) return false;
+    if (((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d)) & 15) == 0) return true;
+    if (copy_misaligned) copy_words(p.t, s, d, row_bytes);
+    return false;
+  };
+  auto issue_load = [&](uint32_t k) {
+    const uint32_t stage = k % stages;
+    const char* s;
+    char* d;
+    const bool bulk = bulk_row(k, s, d, true);
+    const uint32_t rows = __popc(__ballot_sync(0xffffffffu, bulk));
+    if (lane == 0) mbar_arrive_expect_tx(&bars[stage], rows * row_bytes);
+    if (bulk) bulk_load(slot(stage), s, row_bytes, &bars[stage]);
+  };
+
+  const uint32_t prologue = my_chunks < stages ? my_chunks : stages;
+  for (uint32_t k = 0; k < prologue; ++k) issue_load(k);
+  for (uint32_t k = 0; k < my_chunks; ++k) {
+    const uint32_t stage = k % stages;
+    mbar_wait(&bars[stage], (k / stages) & 1);
+    const char* s;
+    char* d;
+    if (bulk_row(k, s, d, false)) bulk_store(d, slot(stage), row_bytes);
+    bulk_commit();
+    // Refill the stage chunk k - 1 used: its store is no longer the newest.
+    if (k >= 1 && k - 1 + stages < my_chunks) {
+      bulk_wait_read_all_but_one();
+      issue_load(k - 1 + stages);
+    }
+  }
+  bulk_wait_all();
+#endif
+}
+
+// Per-device facts the launcher needs, read once.
+struct DeviceInfo {
+  std::atomic<int> ready{0};
+  int max_smem_optin = 0;
+  bool bulk_capable = false;  // sm_90+ GPU and sm_90+ code for it in this binary
+};
+DeviceInfo g_devices[64];
+
+template <typename Index>
+bool prepare_bulk(int max_smem) {
+  cudaFuncAttributes attr;
+  if (cudaFuncGetAttributes(&attr, copy_rows_bulk<Index>) != cudaSuccess) return false;
+  if (attr.binaryVersion < 90) return false;
+  return cudaFuncSetAttribute(copy_rows_bulk<Index>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              max_smem) == cudaSuccess;
+}
+
+int device_info(int device, DeviceInfo** out) {
+  if (device < 0 || device >= 64) return -3;
+  DeviceInfo& info = g_devices[device];
+  if (info.ready.load(std::memory_order_acquire) == 0) {
+    int major = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&info.max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    }
+    if (err != cudaSuccess) return err;
+    info.bulk_capable = major >= 9 && prepare_bulk<int32_t>(info.max_smem_optin) &&
+                        prepare_bulk<int64_t>(info.max_smem_optin);
+    cudaGetLastError();  // a refused bulk kernel is not an error of the caller
+    info.ready.store(1, std::memory_order_release);
+  }
+  *out = &info;
+  return 0;
+}
+
+constexpr int kErrInvalid = -1;
+constexpr int kErrTooLarge = -2;
+constexpr int kErrDevice = -3;
+
+int validate(const HicacheTransfer& t) {
+  if (t.row_bytes <= 0 || t.row_bytes % 4 != 0) return kErrInvalid;
+  if (t.num_caches < 1 || t.num_caches > 2 || t.num_layers < 1) return kErrInvalid;
+  if (t.index_bytes != 4 && t.index_bytes != 8) return kErrInvalid;
+  if (t.num_items < 0 || t.num_blocks < 1) return kErrInvalid;
+  if (t.indices_src == nullptr || t.indices_dst == nullptr) return kErrInvalid;
+  for (int c = 0; c < t.num_caches; ++c) {
+    if (t.num_layers > 1 && (t.src_tables[c] == nullptr || t.dst_tables[c] == nullptr)) return kErrInvalid;
+    if (t.src_tables[c] == nullptr && t.src_bases[c] == 0) return kErrInvalid;
+    if (t.dst_tables[c] == nullptr && t.dst_bases[c] == 0) return kErrInvalid;
+  }
+  const int64_t planes = int64_t{t.num_caches} * t.num_layers;
+  if (planes * (t.row_bytes / 4) > kMaxWork || planes > kMaxWork) return kErrTooLarge;
+  return 0;
+}
+
+int vector_width(const HicacheTransfer& t) {
+  for (int w : {16, 8}) {
+    if (t.row_bytes % w == 0 && t.src_stride % w == 0 && t.dst_stride % w == 0) return w;
+  }
+  return 4;
+}
+
+uint32_t bulk_stages(const HicacheTransfer& t, const DeviceInfo& info) {
+  const int64_t stage_bytes = int64_t{kBulkLanes} * t.row_bytes;
+  const int64_t stages = (info.max_smem_optin - kBulkBarrierBytes) / stage_bytes;
+  return static_cast<uint32_t>(stages < kBulkMaxStages ? stages : kBulkMaxStages);
+}
+
+int resolve_method(const HicacheTransfer& t, const DeviceInfo& info) {
+  const bool bulk_ok = info.bulk_capable && vector_width(t) == 16 && bulk_stages(t, info) >= 2;
+  if (t.method == HICACHE_METHOD_BULK || t.method == HICACHE_METHOD_AUTO) {
+    return bulk_ok ? HICACHE_METHOD_BULK : HICACHE_METHOD_PLAIN;
+  }
+  return HICACHE_METHOD_PLAIN;
+}
+
+template <typename Index>
+void launch_plain(const KernelParams& p, int vec, int blocks, cudaStream_t stream) {
+  switch (vec) {
+    case 16: copy_rows_plain<Index, 16><<<blocks, kPlainThreads, 0, stream>>>(p); break;
+    case 8: copy_rows_plain<Index, 8><<<blocks, kPlainThreads, 0, stream>>>(p); break;
+    default: copy_rows_plain<Index, 4><<<blocks, kPlainThreads, 0, stream>>>(p); break;
+  }
+}
+
+template <typename Index>
+int launch(const HicacheTransfer& t, const DeviceInfo& info, cudaStream_t stream) {
+  const int method = resolve_method(t, info);
+  const int vec = method == HICACHE_METHOD_BULK ? 16 : vector_width(t);
+  const uint32_t planes = static_cast<uint32_t>(t.num_caches * t.num_layers);
+  const uint32_t vecs_per_row = static_cast<uint32_t>(t.row_bytes / vec);
+  const int64_t per_item = method == HICACHE_METHOD_BULK ? planes : int64_t{planes} * vecs_per_row;
+  const int64_t items_per_launch = kMaxWork / per_item;
+
+  KernelParams p;
+  p.t = t;
+  p.planes = FastDiv::make(planes);
+  p.layers = FastDiv::make(static_cast<uint32_t>(t.num_layers));
+  p.vecs_per_row = FastDiv::make(vecs_per_row);
+  p.bulk_stages = method == HICACHE_METHOD_BULK ? bulk_stages(t, info) : 0;
+  // Launches of at most 2^31 work items each keep every counter in 32 bits.
+  for (int64_t start = 0; start < t.num_items; start += items_per_launch) {
+    const int64_t n = t.num_items - start < items_per_launch ? t.num_items - start : items_per_launch;
+    p.t.indices_src = static_cast<const Index*>(t.indices_src) + start;
+    p.t.indices_dst = static_cast<const Index*>(t.indices_dst) + start;
+    p.t.num_items = n;
+    p.num_rows = static_cast<uint32_t>(n * planes);
+    p.total_vecs = static_cast<uint32_t>(n * per_item);
+    if (method == HICACHE_METHOD_BULK) {
+      const int64_t chunks = (p.num_rows + kBulkLanes - 1) / kBulkLanes;
+      const int blocks = static_cast<int>(chunks < t.num_blocks ? chunks : t.num_blocks);
+      const size_t smem = kBulkBarrierBytes + size_t{p.bulk_stages} * kBulkLanes * t.row_bytes;
+      copy_rows_bulk<Index><<<blocks, kBulkLanes, smem, stream>>>(p);
+    } else {
+      const int64_t per_block = int64_t{kPlainThreads} * kPlainUnroll;
+      const int64_t needed = (p.total_vecs + per_block - 1) / per_block;
+      const int blocks = static_cast<int>(needed < t.num_blocks ? needed : t.num_blocks);
+      launch_plain<Index>(p, vec, blocks, stream);
+    }
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int hicache_transfer_resolve_method(const HicacheTransfer* t) {
+  if (t == nullptr) return kErrInvalid;
+  if (const int err = validate(*t)) return err;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return kErrDevice;
+  DeviceInfo* info = nullptr;
+  if (const int err = device_info(device, &info)) return err;
+  return resolve_method(*t, *info);
+}
+
+extern "C" int hicache_transfer_launch(const HicacheTransfer* t, void* stream) {
+  if (t == nullptr) return kErrInvalid;
+  if (const int err = validate(*t)) return err;
+  if (t->num_items == 0) return 0;
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device)) return err;
+  DeviceInfo* info = nullptr;
+  if (const int err = device_info(device, &info)) return err;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return t->index_bytes == 4 ? launch<int32_t>(*t, *info, s) : launch<int64_t>(*t, *info, s);
+}
+
+extern "C" const char* hicache_error_string(int code) {
+  switch (code) {
+    case 0: return "success";
+    case kErrInvalid: return "invalid transfer arguments (row size, cache count, index size or pointers)";
+    case kErrTooLarge: return "row too large for one transfer";
+    case kErrDevice: return "no current CUDA device, or device ordinal above 63";
+    default: return cudaGetErrorString(static_cast<cudaError_t>(code));
+  }
+}

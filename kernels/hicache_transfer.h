@@ -1,0 +1,81 @@
+// The C interface between the torch-free CUDA code (hicache_transfer.cu) and
+// the thin torch binding (binding.cpp). Plain C types only, so the binding
+// compiles without CUDA headers and the .cu file without torch headers.
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// One gather/scatter copy of KV rows.
+//
+// A "row" is the bytes of one token in one layer of one cache. For item i
+// (0 <= i < num_items), cache c (0 <= c < num_caches: 1 for MLA, 2 for K and
+// V) and layer l (0 <= l < num_layers), the kernel copies row_bytes bytes from
+//     src_base(c, l) + indices_src[i] * src_stride
+// to
+//     dst_base(c, l) + indices_dst[i] * dst_stride.
+// A base comes from src_tables[c][l] when the table pointer is non-null (a
+// device array of num_layers uint64 addresses), else from src_bases[c] (then
+// num_layers must be 1). The same holds for the destination side.
+//
+// A negative index skips its item. An index >= src_rows (dst_rows) is never
+// read (written): the item is skipped and a bit is set in *error_flags.
+typedef struct HicacheTransfer {
+  const uint64_t* src_tables[2];
+  const uint64_t* dst_tables[2];
+  uint64_t src_bases[2];
+  uint64_t dst_bases[2];
+  int32_t num_caches;
+  int32_t num_layers;
+
+  const void* indices_src;  // device memory
+  const void* indices_dst;  // device memory
+  int32_t index_bytes;      // 4 (int32) or 8 (int64)
+  int64_t num_items;
+
+  int64_t src_stride;  // bytes between consecutive slots
+  int64_t dst_stride;
+  int64_t row_bytes;   // a positive multiple of 4
+  int64_t src_rows;    // slot count of the source pool, or -1 when unknown
+  int64_t dst_rows;
+
+  int32_t num_blocks;  // SM budget: CTAs to launch (>= 1)
+  int32_t method;      // HICACHE_METHOD_*
+  // HICACHE_ERROR_WORDS device-visible words (pinned host memory) or NULL;
+  // the kernel stores 1 into word HICACHE_ERR_* when that error occurs.
+  uint32_t* error_flags;
+} HicacheTransfer;
+
+enum {
+  HICACHE_METHOD_AUTO = 0,   // bulk copy where the GPU and the rows allow it
+  HICACHE_METHOD_PLAIN = 1,  // vectorized loads and stores from SM threads
+  HICACHE_METHOD_BULK = 2,   // Hopper bulk-copy engine (cp.async.bulk), sm_90+
+};
+
+// Words of error_flags, set by the kernel, read and cleared by Python. Plain
+// stores, not atomics: system-scope atomics on host memory need PCIe AtomicOps.
+enum {
+  HICACHE_ERR_SRC_INDEX = 0,   // an index in indices_src was >= src_rows
+  HICACHE_ERR_DST_INDEX = 1,   // an index in indices_dst was >= dst_rows
+  HICACHE_ERR_MISALIGNED = 2,  // a row address was not 4-byte aligned
+  HICACHE_ERROR_WORDS = 4,
+};
+
+// Launches the copy on `stream` (a cudaStream_t) of the current device.
+// Returns 0 on success, else a cudaError_t value (see hicache_error_string)
+// or a negative value for invalid arguments.
+int hicache_transfer_launch(const HicacheTransfer* transfer, void* stream);
+
+// The method the launcher would use for `transfer` on the current device
+// (HICACHE_METHOD_PLAIN or HICACHE_METHOD_BULK), or a negative error.
+int hicache_transfer_resolve_method(const HicacheTransfer* transfer);
+
+// A readable message for a value returned by hicache_transfer_launch.
+const char* hicache_error_string(int code);
+
+#ifdef __cplusplus
+}
+#endif

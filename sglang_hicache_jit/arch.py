@@ -1,0 +1,118 @@
+"""Which GPU architectures to build for: parsing, naming and resolution.
+
+An arch list looks like ``9.0``, ``8.0;9.0;10.0`` or ``8.0 9.0+PTX`` (the
+TORCH_CUDA_ARCH_LIST syntax; ``sm_90`` and ``90`` are accepted too). Several
+archs build one fat binary. Resolution order: the caller's argument, then
+SGLANG_HICACHE_JIT_ARCH, then TORCH_CUDA_ARCH_LIST, then the current GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from . import settings
+from .errors import NoArchError
+
+_ARCH_RE = re.compile(r"^(?:sm_?|compute_?)?(\d+)(?:\.(\d))?([af]?)(\+ptx)?$", re.IGNORECASE)
+
+
+@dataclass(frozen=True, order=True)
+class Arch:
+    """One compute capability, e.g. 9.0; ``suffix`` is '' or 'a'/'f' (arch-specific features)."""
+
+    major: int
+    minor: int
+    suffix: str = ""
+    ptx: bool = False  # also embed PTX (forward compatibility, JIT-compiled by the driver)
+
+    @property
+    def number(self) -> str:
+        return f"{self.major}{self.minor}{self.suffix}"
+
+    @property
+    def tag(self) -> str:
+        return f"sm{self.number}" + ("+ptx" if self.ptx else "")
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor}{self.suffix}" + ("+PTX" if self.ptx else "")
+
+    def nvcc_flags(self) -> list[str]:
+        flags = [f"-gencode=arch=compute_{self.number},code=sm_{self.number}"]
+        if self.ptx:
+            flags.append(f"-gencode=arch=compute_{self.number},code=compute_{self.number}")
+        return flags
+
+    def runs_on(self, capability: tuple[int, int]) -> bool:
+        """True when this arch's machine code runs on a GPU of ``capability``.
+
+        sm_XY code runs on X.Z with Z >= Y; 'a'/'f' variants only on X.Y itself
+        ('f' also on later minors of the same family).
+        """
+        major, minor = capability
+        if major != self.major or minor < self.minor:
+            return False
+        return self.suffix != "a" or minor == self.minor
+
+
+def parse_arch(text: str) -> Arch:
+    match = _ARCH_RE.match(text.strip())
+    if not match:
+        raise ValueError(
+            f"arch {text!r} is not a compute capability; expected forms like '9.0', '9.0a', "
+            "'sm_90' or '8.0+PTX'"
+        )
+    digits, minor, suffix, ptx = match.groups()
+    if minor is None:  # '90' or 'sm_90': the last digit is the minor version
+        if len(digits) < 2:
+            raise ValueError(f"arch {text!r} is ambiguous; write it as major.minor, e.g. '9.0'")
+        digits, minor = digits[:-1], digits[-1]
+    return Arch(int(digits), int(minor), suffix.lower(), bool(ptx))
+
+
+def parse_arch_list(text: str) -> tuple[Arch, ...]:
+    """Parses 'a;b c,d' into sorted, de-duplicated archs."""
+    parts = [p for p in re.split(r"[;,\s]+", text.strip()) if p]
+    if not parts:
+        raise ValueError("the arch list is empty; name at least one arch, e.g. '9.0'")
+    return tuple(sorted(set(parse_arch(p) for p in parts)))
+
+
+def archs_tag(archs: tuple[Arch, ...]) -> str:
+    """Directory name for a build's arch set, e.g. 'sm90' or 'sm80-sm90'."""
+    return "-".join(a.tag for a in archs)
+
+
+def current_gpu_capability(device: int | None = None) -> tuple[int, int] | None:
+    """Compute capability of the current (or given) CUDA device, or None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def resolve_archs(arch: str | tuple[Arch, ...] | None = None, device: int | None = None
+                  ) -> tuple[tuple[Arch, ...], str]:
+    """The archs to build for and where they came from (for messages). Without
+    an arch named anywhere, the GPU ``device`` (default: current) decides."""
+    if isinstance(arch, tuple):
+        return arch, "argument"
+    if arch is not None and str(arch).strip():
+        return parse_arch_list(str(arch)), "argument"
+    named = settings.arch_request()
+    if named is not None:
+        value, variable = named
+        try:
+            return parse_arch_list(value), variable
+        except ValueError as exc:
+            raise ValueError(f"{variable}={value!r}: {exc}") from None
+    capability = current_gpu_capability(device)
+    if capability is None:
+        raise NoArchError(
+            "No CUDA GPU is visible and no arch was named, so there is nothing to build for.",
+            f"name the target, e.g. `sglang-hicache-jit prewarm --arch 9.0` or "
+            f"{settings.ARCH}=9.0 (several: '8.0;9.0;10.0').",
+        )
+    major, minor = capability
+    return (Arch(major, minor),), "current GPU"

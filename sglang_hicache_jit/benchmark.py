@@ -1,0 +1,308 @@
+"""Transfer benchmark: this package's kernels beside PyTorch baselines and the link's ceiling.
+
+Workloads and pool shapes follow DESIGN.md section 7: a ``page_first`` host
+pool of 512K token slots x 8 layers, a 256K-slot device pool, random whole
+pages (host side sorted), one layer per call or all layers at once. Every
+figure is a median of CUDA-event timings over several calls on random bytes;
+the ceiling (one contiguous pinned copy of the same bytes, same direction) is
+measured in the same run, and every ratio is against it.
+
+Run with ``sglang-hicache-jit bench`` or ``python tools/bench_transfer.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+WORKLOADS = {
+    # name: (caches per layer, row bytes)
+    "mla-bf16": (1, 1152),
+    "mla-fp8": (1, 576),
+    "dsa-fp8": (1, 656),
+    "mha-llama8b": (2, 2048),
+    "mha-small": (2, 256),
+}
+LAYERS = 8
+
+
+@dataclass
+class Pools:
+    caches: int
+    row_bytes: int
+    host: list      # per cache: pinned (slots, LAYERS, row_bytes) uint8, page_first
+    device: list    # per cache: list of LAYERS device tensors (slots, row_bytes)
+    host_slots: int
+    device_slots: int
+
+
+def _fill_random(t, torch):
+    """Random bytes (never zeros) generated on the GPU in chunks and copied in."""
+    flat = t.view(-1)
+    chunk = 1 << 28
+    for start in range(0, flat.numel(), chunk):
+        n = min(chunk, flat.numel() - start)
+        flat[start:start + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda"))
+
+
+def make_pools(workload: str, host_slots: int, device_slots: int) -> Pools:
+    import torch
+
+    caches, row_bytes = WORKLOADS[workload]
+    host, device = [], []
+    for _ in range(caches):
+        buf = torch.empty((host_slots, LAYERS, row_bytes), dtype=torch.uint8, pin_memory=True)
+        _fill_random(buf, torch)
+        host.append(buf)
+        layers = [torch.empty((device_slots, row_bytes), dtype=torch.uint8, device="cuda") for _ in range(LAYERS)]
+        for layer in layers:
+            _fill_random(layer, torch)
+        device.append(layers)
+    torch.cuda.synchronize()
+    return Pools(caches, row_bytes, host, device, host_slots, device_slots)
+
+
+def make_indices(tokens: int, page_size: int, host_slots: int, device_slots: int, seed: int):
+    """Random whole pages on both sides; the host side sorted (as HiCache allocates)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    pages = tokens // page_size
+    host_pages = torch.randperm(host_slots // page_size, generator=gen)[:pages].sort().values
+    dev_pages = torch.randperm(device_slots // page_size, generator=gen)[:pages]
+    offsets = torch.arange(page_size)
+    host = (host_pages[:, None] * page_size + offsets).reshape(-1)
+    dev = (dev_pages[:, None] * page_size + offsets).reshape(-1)
+    return host, dev
+
+
+def time_call(fn, *, min_reps=5, max_reps=50, budget_s=0.25) -> list[float]:
+    """Per-call seconds from CUDA events, after a warm-up; enough calls to fill ``budget_s``."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = max(time.perf_counter() - t0, 1e-6)
+    reps = int(min(max_reps, max(min_reps, budget_s / once)))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) / 1e3 for s, e in events]
+
+
+def _providers(args):
+    names = ["ceiling", "jit"] + [f"jit-q{q}" for q in args.quotas]
+    if args.methods:
+        names += [f"jit-{m}-q{q}" for m in args.methods for q in args.quotas]
+    names += ["torch-index", "per-page"]
+    return [n for n in names if args.providers is None or n in args.providers or n == "ceiling"]
+
+
+def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_idx, page_size, scratch):
+    """A zero-argument callable doing one transfer with ``provider``."""
+    import torch
+
+    from . import ops
+
+    to_device = direction == "h2d"
+    host_views = [buf[:, layer] for buf in pools.host]
+    dev_views = [layers[layer] for layers in pools.device]
+    caches = pools.caches
+    host_cuda, dev_cuda = host_idx.cuda(), dev_idx.cuda()
+    n = host_idx.numel()
+
+    if provider == "ceiling":
+        nbytes = n * pools.row_bytes * caches * (LAYERS if scope == "all" else 1)
+        key = ("ceiling", nbytes)
+        if key not in scratch:
+            scratch.clear()
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            _fill_random(host, torch)
+            scratch[key] = (host, torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
+        host, dev = scratch[key]
+        return (lambda: dev.copy_(host, non_blocking=True)) if to_device else (lambda: host.copy_(dev, non_blocking=True))
+
+    if provider.startswith("jit"):
+        parts = provider.split("-")[1:]
+        method = parts[0] if parts and parts[0] in ("plain", "bulk") else None
+        quota = int(parts[-1][1:]) if parts and parts[-1].startswith("q") else None
+        if scope == "all":
+            host_tab = ops.LayerTable(_table_arg([[buf[:, l] for l in range(LAYERS)] for buf in pools.host]),
+                                      written=not to_device)
+            dev_tab = ops.LayerTable(_table_arg(pools.device), written=to_device)
+            if to_device:
+                return lambda: ops.transfer_all_layer(dev_tab, dev_cuda, host_tab, host_cuda, block_quota=quota, method=method)
+            return lambda: ops.transfer_all_layer(host_tab, host_cuda, dev_tab, dev_cuda, block_quota=quota, method=method)
+        if caches == 1:
+            if to_device:
+                return lambda: ops.transfer_one_layer_mla(dev_views[0], dev_cuda, host_views[0], host_cuda,
+                                                          block_quota=quota, method=method)
+            return lambda: ops.transfer_one_layer_mla(host_views[0], host_cuda, dev_views[0], dev_cuda,
+                                                      block_quota=quota, method=method)
+        if to_device:
+            return lambda: ops.transfer_one_layer(dev_views[0], dev_views[1], dev_cuda, host_views[0], host_views[1],
+                                                  host_cuda, block_quota=quota, method=method)
+        return lambda: ops.transfer_one_layer(host_views[0], host_views[1], host_cuda, dev_views[0], dev_views[1],
+                                              dev_cuda, block_quota=quota, method=method)
+
+    layers = range(LAYERS) if scope == "all" else [layer]
+    pairs = [(pools.host[c][:, l], pools.device[c][l]) for l in layers for c in range(caches)]
+    if provider == "torch-index":
+        if to_device:
+            def call():
+                for host, dev in pairs:
+                    dev[dev_cuda] = host[host_idx].to("cuda", non_blocking=True)
+        else:
+            def call():
+                for host, dev in pairs:
+                    host[host_idx] = dev[dev_cuda].to("cpu")
+        return call
+    if provider == "per-page":
+        starts = list(zip(host_idx[::page_size].tolist(), dev_idx[::page_size].tolist()))
+        if to_device:
+            def call():
+                for host, dev in pairs:
+                    for h, d in starts:
+                        dev[d:d + page_size].copy_(host[h:h + page_size], non_blocking=True)
+        else:
+            def call():
+                for host, dev in pairs:
+                    for h, d in starts:
+                        host[h:h + page_size].copy_(dev[d:d + page_size], non_blocking=True)
+        return call
+    raise ValueError(f"unknown provider {provider!r}")
+
+
+def _table_arg(groups):
+    return groups[0] if len(groups) == 1 else (tuple(groups[0]), tuple(groups[1]))
+
+
+def run(args) -> list[dict]:
+    import torch
+
+    records = []
+    scratch: dict = {}
+    device_name = torch.cuda.get_device_name()
+    for workload in args.workloads:
+        pools = make_pools(workload, args.host_slots, args.device_slots)
+        for scope in args.scopes:
+            for page_size in args.page_sizes:
+                for tokens in args.tokens:
+                    if scope == "all" and tokens > args.max_all_layer_tokens:
+                        continue
+                    host_idx, dev_idx = make_indices(tokens, page_size, pools.host_slots, pools.device_slots,
+                                                     seed=tokens + page_size)
+                    for direction in args.directions:
+                        ceiling = None
+                        for provider in _providers(args):
+                            if provider in ("torch-index", "per-page") and tokens > args.max_baseline_tokens:
+                                continue
+                            if provider == "per-page" and page_size < 16:
+                                continue  # one copy per token: minutes per point, and not a real contender
+                            fn = build_call(provider, pools, scope, direction, 3, host_idx, dev_idx, page_size, scratch)
+                            times = time_call(fn)
+                            median = statistics.median(times)
+                            nbytes = tokens * pools.row_bytes * pools.caches * (LAYERS if scope == "all" else 1)
+                            gbps = nbytes / median / 1e9
+                            if provider == "ceiling":
+                                ceiling = gbps
+                            record = dict(workload=workload, scope=scope, direction=direction, page_size=page_size,
+                                          tokens=tokens, provider=provider, bytes=nbytes, median_s=median,
+                                          min_s=min(times), max_s=max(times), reps=len(times), gbps=gbps,
+                                          ratio=gbps / ceiling if ceiling else None, device=device_name)
+                            records.append(record)
+                            if not args.quiet:
+                                print(_row(record), flush=True)
+        del pools
+        torch.cuda.empty_cache()
+    return records
+
+
+def _row(r: dict) -> str:
+    ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "  - "
+    return (f"{r['workload']:<12} {r['scope']:<3} {r['direction']} p{r['page_size']:<3} {r['tokens']:>6} "
+            f"{r['provider']:<14} {r['gbps']:7.2f} GB/s  x{ratio}  ({r['median_s'] * 1e6:9.1f} us, n={r['reps']})")
+
+
+def plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["workload"], r["scope"], r["direction"], r["page_size"]) for r in records})
+    cols = 4
+    rows = (len(groups) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, group in zip(axes.flat, groups):
+        sel = [r for r in records if (r["workload"], r["scope"], r["direction"], r["page_size"]) == group]
+        for provider in sorted({r["provider"] for r in sel}):
+            pts = sorted((r["tokens"], r["gbps"]) for r in sel if r["provider"] == provider)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=provider,
+                    linestyle="--" if provider == "ceiling" else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{group[0]} {group[1]}-layer {group[2]} page {group[3]}", fontsize=9)
+        ax.set_xlabel("tokens per call")
+        ax.set_ylabel("GB/s")
+    for ax in list(axes.flat)[len(groups):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)))
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="sglang-hicache-jit bench", description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--scopes", nargs="+", default=["one", "all"], choices=["one", "all"])
+    p.add_argument("--directions", nargs="+", default=["h2d", "d2h"], choices=["h2d", "d2h"])
+    p.add_argument("--page-sizes", nargs="+", type=int, default=[64, 1])
+    p.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 16384, 65536])
+    p.add_argument("--quotas", nargs="+", type=int, default=[1, 2, 4, 8], help="SM budgets (CTAs) to measure")
+    p.add_argument("--methods", nargs="*", default=[], choices=["plain", "bulk"],
+                   help="also measure these copy methods explicitly at each quota")
+    p.add_argument("--providers", nargs="*", default=None, help="only these providers (ceiling always runs)")
+    p.add_argument("--host-slots", type=int, default=512 * 1024)
+    p.add_argument("--device-slots", type=int, default=256 * 1024)
+    p.add_argument("--max-baseline-tokens", type=int, default=16384,
+                   help="skip the slow PyTorch baselines above this many tokens")
+    p.add_argument("--max-all-layer-tokens", type=int, default=65536)
+    p.add_argument("--json", help="write the records to this JSON file")
+    p.add_argument("--plot", help="draw GB/s against tokens per call into this PNG (needs matplotlib)")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU (the transfers run between GPU memory and pinned host memory)", file=sys.stderr)
+        return 2
+    records = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "records": records}, f, indent=1)
+    if args.plot:
+        try:
+            plot(records, args.plot)
+        except ImportError:
+            print("matplotlib is not installed (pip install 'sglang-hicache-jit[bench]'); no plot drawn",
+                  file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The ``sglang-hicache-jit`` command (also ``python -m sglang_hicache_jit``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from . import __version__, settings
+from .errors import HicacheJitError
+
+
+def _archs_from(text: str | None):
+    """--arch LIST: each arch separately. Without it: what load_kernels() would load."""
+    from .arch import parse_arch_list, resolve_archs
+
+    if text:
+        return [(a,) for a in parse_arch_list(text)]
+    archs, _ = resolve_archs(None)
+    return [archs]
+
+
+def _label(archs) -> str:
+    return ";".join(str(a) for a in archs)
+
+
+def cmd_prewarm(args) -> int:
+    from .loader import ensure_built
+
+    try:
+        targets = _archs_from(args.arch)
+    except (HicacheJitError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    records, failed = [], False
+    for archs in targets:
+        record = {"kernel": "hicache_transfer", "arch": _label(archs)}
+        try:
+            result = ensure_built(archs, retry_failed=True)
+            record.update(action=result.action, seconds=round(result.seconds, 3), path=str(result.path))
+        except HicacheJitError as exc:
+            failed = True
+            record.update(action="failed", seconds=0.0, path=exc.log_path, code=exc.code, error=str(exc))
+        records.append(record)
+        if not args.json:
+            if record["action"] == "failed":
+                print(f"{record['kernel']}  {record['arch']:<10} failed [{record['code']}]: {record['error']}")
+            else:
+                print(f"{record['kernel']}  {record['arch']:<10} {record['action']:<7} "
+                      f"{record['seconds']:6.1f} s  {record['path']}")
+    if args.json:
+        print(json.dumps(records, indent=2))
+    return 1 if failed else 0
+
+
+def cmd_check(args) -> int:
+    if not args.arch:
+        from .probe import probe
+
+        result = probe(device=args.device, build=not args.no_build)
+        if args.json:
+            print(json.dumps(result.as_dict(), indent=2))
+        else:
+            print(f"{result.code}: {result.reason}" + (f"\nfix: {result.fix}" if result.fix else ""))
+        return 0 if result.available else 1
+
+    from .loader import ensure_built, load_entry
+
+    records, ok = [], True
+    try:
+        targets = _archs_from(args.arch)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for archs in targets:
+        record = {"arch": _label(archs)}
+        try:
+            result = ensure_built(archs, build=not args.no_build)
+            library = load_entry(result.entry, archs)
+            record.update(code="ok", reason=f"built and loadable: {library.path}")
+        except HicacheJitError as exc:
+            ok = False
+            record.update(code=exc.code, reason=exc.reason, fix=exc.fix)
+        except Exception as exc:  # a library that fails to load
+            ok = False
+            record.update(code="load_failed", reason=f"{type(exc).__name__}: {exc}")
+        records.append(record)
+        if not args.json:
+            print(f"{record['arch']:<10} {record['code']}: {record['reason']}"
+                  + (f"\n           fix: {record['fix']}" if record.get("fix") else ""))
+    if args.json:
+        print(json.dumps(records, indent=2))
+    return 0 if ok else 1
+
+
+def _info() -> dict:
+    from .cache import BuildCache
+    from .toolchain import find_ninja, find_toolkit, torch_info
+
+    info: dict = {"package": __version__, "python": sys.version.split()[0]}
+    try:
+        info["torch"] = torch_info()
+    except HicacheJitError as exc:
+        info["torch"] = {"error": exc.reason}
+    toolkit = find_toolkit()
+    info["cuda_toolkit"] = (
+        {"home": str(toolkit.home), "version": toolkit.version, "found_by": toolkit.found_by}
+        if toolkit else None
+    )
+    info["ninja"] = find_ninja()
+    info["settings"] = {
+        "cache_root": str(settings.cache_root()),
+        "arch_request": settings.arch_request(),
+        "disabled": settings.disabled(),
+        "strict": settings.strict(),
+    }
+    cache = BuildCache(settings.cache_root())
+    info["entries"] = [
+        {"path": str(path), "valid": entry is not None, "problem": problem,
+         **({"archs": entry.manifest["components"]["archs"], "key": entry.key, "size": entry.manifest["size"],
+             "built_at": entry.manifest.get("built_at"), "build_seconds": entry.manifest.get("build_seconds")}
+            if entry else {})}
+        for path, entry, problem in cache.entries()
+    ]
+    info["failed_builds"] = [str(p) for p in cache.failures()]
+    return info
+
+
+def cmd_info(args) -> int:
+    info = _info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    torch = info["torch"]
+    print(f"sglang-hicache-jit {info['package']}  (Python {info['python']})")
+    print(f"torch:        {torch.get('version', torch.get('error'))}  CUDA {torch.get('cuda')}")
+    tk = info["cuda_toolkit"]
+    print(f"CUDA toolkit: {tk['home']} (CUDA {tk['version']}, found by {tk['found_by']})" if tk else
+          "CUDA toolkit: not found (set CUDA_HOME)")
+    print(f"ninja:        {info['ninja'] or 'not found (pip install ninja)'}")
+    s = info["settings"]
+    print(f"cache root:   {s['cache_root']}")
+    if s["arch_request"]:
+        print(f"arch:         {s['arch_request'][0]} (from {s['arch_request'][1]})")
+    if s["disabled"]:
+        print(f"disabled:     yes ({settings.DISABLE}=1)")
+    print(f"entries:      {len(info['entries'])}")
+    for e in info["entries"]:
+        if e["valid"]:
+            print(f"  {';'.join(e['archs']):<10} {e['key']}  {e['size'] / 1e6:.1f} MB  built {e['built_at']}"
+                  f" in {e['build_seconds']} s")
+        else:
+            print(f"  INVALID {e['path']}: {e['problem']}")
+    for f in info["failed_builds"]:
+        print(f"  failed build: {f}")
+    return 0
+
+
+def cmd_clean(args) -> int:
+    from .cache import BuildCache
+
+    removed = BuildCache(settings.cache_root()).clean(failed_only=args.failed)
+    what = "failed-build records" if args.failed else "cache entries, records and staging directories"
+    print(f"removed {len(removed)} {what} under {settings.cache_root()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sglang-hicache-jit",
+        description="HiCache KV transfer kernels for SGLang: build cache, checks and tools.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    arch_help = ("arch list, e.g. '9.0' or '8.0;9.0;10.0' (each built separately). Default: "
+                 f"${settings.ARCH}, then ${settings.TORCH_ARCH_LIST} (one fat build), then the current GPU")
+    p = sub.add_parser("prewarm", help="build the kernels into the cache ahead of time (no GPU needed with --arch)")
+    p.add_argument("--arch", help=arch_help)
+    p.add_argument("--json", action="store_true", help="print a JSON list of {kernel, arch, action, seconds, path}")
+    p.set_defaults(func=cmd_prewarm)
+
+    p = sub.add_parser("check", help="exit 0 when the one-layer kernel is available (for CI)")
+    p.add_argument("--arch", help="check that these archs are built and loadable instead of probing the GPU")
+    p.add_argument("--no-build", action="store_true", help="only look in the cache, never compile")
+    p.add_argument("--device", type=int, default=None, help="CUDA device to probe (default: current)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("info", help="versions, toolchain, cache root and entries")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("clean", help="remove cache entries (or only failed-build records)")
+    p.add_argument("--failed", action="store_true", help="only forget failed builds, so they are retried")
+    p.set_defaults(func=cmd_clean)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s",
+                        stream=sys.stderr)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

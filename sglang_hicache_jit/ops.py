@@ -1,0 +1,377 @@
+"""Transfer ops: validate on the host, pick the library, launch on the current stream.
+
+Every copy moves rows ``src[indices_src[i]] -> dst[indices_dst[i]]``. A cache
+argument is a tensor whose first dimension is the token slot and whose other
+dimensions form one contiguous row (a per-layer view of a ``page_first`` host
+buffer is fine: its slot stride is larger than its row). One side is a CUDA
+tensor, the other a CUDA tensor or pinned CPU memory; the kernel reads and
+writes host memory directly, so pageable CPU memory is refused.
+
+Index rules (DESIGN.md section 5): int32 or int64, 1-D, equal lengths; CPU
+indices are copied to the GPU without a host sync; a negative index skips its
+pair; an index past the end of its pool is never read or written: the kernel
+skips the row and the next op on that device (or ``check_errors``) raises
+TransferIndexError. ``SGLANG_HICACHE_JIT_STRICT=1`` checks the range on the
+host before launching instead (this synchronizes when indices are on the GPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+
+import torch
+
+from . import settings
+from .errors import ArchUnsupportedError, TransferIndexError
+
+DEFAULT_BLOCK_QUOTA = 4
+_METHODS = {"auto": 0, "plain": 1, "bulk": 2}
+METHOD_NAMES = {1: "plain", 2: "bulk"}
+
+_ERROR_WORDS = 4
+_ERROR_MESSAGES = (
+    "an index in indices_src was past the end of the source pool",
+    "an index in indices_dst was past the end of the destination pool",
+    "a row address was not 4-byte aligned",
+)
+
+
+class _DeviceState:
+    """Per-device library handle and the pinned words the kernel reports errors in."""
+
+    def __init__(self, device: int):
+        from .arch import current_gpu_capability
+        from .loader import load_kernels
+
+        self.device = device
+        self.capability = current_gpu_capability(device)
+        self.library = load_kernels(device=device)
+        if not self.library.supports(self.capability):
+            major, minor = self.capability
+            raise ArchUnsupportedError(
+                f"The kernel library was built for {', '.join(map(str, self.library.archs))}, "
+                f"which cannot run on cuda:{device} (compute capability {major}.{minor}).",
+                f"include {major}.{minor} in {settings.ARCH} (or TORCH_CUDA_ARCH_LIST), or unset it.",
+            )
+        self.error_flags = torch.zeros(_ERROR_WORDS, dtype=torch.int32, pin_memory=True)
+        self.error_view = (ctypes.c_uint32 * _ERROR_WORDS).from_address(self.error_flags.data_ptr())
+        self.transfer = self.library.ops.transfer
+
+
+_states: dict[int, _DeviceState] = {}
+_states_lock = threading.Lock()
+
+
+def _state(device: int) -> _DeviceState:
+    state = _states.get(device)
+    if state is None:
+        with _states_lock:
+            state = _states.get(device)
+            if state is None:
+                state = _states[device] = _DeviceState(device)
+    return state
+
+
+def _raise_reported(state: _DeviceState) -> None:
+    words = state.error_view
+    if words[0] | words[1] | words[2]:
+        problems = [msg for i, msg in enumerate(_ERROR_MESSAGES) if words[i]]
+        for i in range(_ERROR_WORDS):
+            words[i] = 0
+        raise TransferIndexError(
+            f"a transfer on cuda:{state.device} skipped rows: {'; '.join(problems)}. Those rows were "
+            "neither read nor written. (Reported by the first op on this device after the faulty one; "
+            f"set {settings.STRICT}=1 to check indices before each launch.)"
+        )
+
+
+def check_errors(device: int | torch.device | None = None, *, synchronize: bool = True) -> None:
+    """Raises TransferIndexError if a finished transfer on ``device`` skipped an
+    out-of-range index. With synchronize=True it waits for the device first."""
+    index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    state = _states.get(index)
+    if state is None:
+        return
+    if synchronize:
+        torch.cuda.synchronize(index)
+    _raise_reported(state)
+
+
+class _Side:
+    """One cache argument reduced to what the kernel needs."""
+
+    __slots__ = ("ptr", "row_bytes", "stride", "rows", "device", "dtype")
+
+    def __init__(self, name: str, t, element_dim: int | None, *, written: bool):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if element_dim is not None and (t.dim() < 2 or math.prod(t.shape[1:]) != element_dim):
+            try:
+                t = t.view(-1, element_dim)
+            except RuntimeError as exc:
+                raise ValueError(
+                    f"{name} (shape {tuple(t.shape)}) cannot be viewed as rows of element_dim={element_dim} "
+                    f"elements: {exc}"
+                ) from None
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name} must have a slot dimension and a row (at least 2-D, e.g. [slots, dim]); "
+                f"got shape {tuple(t.shape)} (pass element_dim to view a flat buffer as rows)"
+            )
+        shape, strides = t.shape, t.stride()
+        expected = 1
+        for size, stride in zip(reversed(shape[1:]), reversed(strides[1:])):
+            if size != 1 and stride != expected:
+                raise ValueError(
+                    f"{name} must have contiguous rows (all dimensions after the first dense, last "
+                    f"stride 1); got shape {tuple(shape)} with strides {strides}"
+                )
+            expected *= size
+        itemsize = t.element_size()
+        self.row_bytes = expected * itemsize
+        self.stride = strides[0] * itemsize
+        self.rows = shape[0]
+        self.dtype = t.dtype
+        self.ptr = t.data_ptr()
+        if t.is_cuda:
+            self.device = t.device.index
+        elif t.device.type == "cpu":
+            if not t.is_pinned():
+                raise ValueError(
+                    f"{name} is in pageable CPU memory; the kernel accesses host memory directly and "
+                    "needs it pinned (allocate it with pin_memory=True or call .pin_memory())"
+                )
+            self.device = None
+        else:
+            raise ValueError(f"{name} must be a CUDA tensor or pinned CPU memory, got device {t.device}")
+        if self.ptr % 4 or self.stride % 4:
+            raise ValueError(
+                f"{name} must be 4-byte aligned (data pointer and slot stride); got pointer "
+                f"{self.ptr:#x} and stride {self.stride} bytes"
+            )
+        if self.stride < 0:
+            raise ValueError(f"{name} must have a non-negative slot stride, got {self.stride} bytes")
+        if written and self.rows > 1 and self.stride < self.row_bytes:
+            raise ValueError(f"{name} has overlapping rows (slot stride {self.stride} bytes < row {self.row_bytes} bytes)")
+
+
+def _check_pair(dst: _Side, src: _Side, dst_name: str, src_name: str) -> None:
+    if dst.dtype != src.dtype:
+        raise ValueError(f"{dst_name} has dtype {dst.dtype} but {src_name} has {src.dtype}; they must match")
+    if dst.row_bytes != src.row_bytes:
+        raise ValueError(
+            f"{dst_name} rows are {dst.row_bytes} bytes but {src_name} rows are {src.row_bytes}; they must match"
+        )
+    if dst.row_bytes % 4:
+        raise ValueError(f"rows of {dst_name} are {dst.row_bytes} bytes; the row size must be a multiple of 4 bytes")
+
+
+def _device_of(*sides: _Side) -> int:
+    devices = {s.device for s in sides if s.device is not None}
+    if not devices:
+        raise ValueError("both caches are in host memory; one side of a transfer must be a CUDA tensor")
+    if len(devices) > 1:
+        raise ValueError(f"the CUDA caches are on different devices ({sorted(devices)}); use one device")
+    return devices.pop()
+
+
+def _check_indices(name: str, idx, device: int) -> None:
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(idx).__name__}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
+    if idx.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
+    if idx.is_cuda:
+        if idx.device.index != device:
+            raise ValueError(f"{name} is on {idx.device} but the transfer runs on cuda:{device}")
+    elif idx.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU or on cuda:{device}, got {idx.device}")
+
+
+def _check_index_pair(indices_dst, indices_src, device: int) -> None:
+    _check_indices("indices_dst", indices_dst, device)
+    _check_indices("indices_src", indices_src, device)
+    if indices_dst.shape[0] != indices_src.shape[0]:
+        raise ValueError(
+            f"indices_dst has {indices_dst.shape[0]} entries but indices_src has {indices_src.shape[0]}; "
+            "they must have the same length"
+        )
+
+
+def _on_device(idx: torch.Tensor, device: int) -> torch.Tensor:
+    if idx.is_cuda:
+        return idx if idx.is_contiguous() else idx.contiguous()
+    # Pinned staging makes the copy asynchronous: a pageable source would make
+    # cudaMemcpyAsync wait for the stream.
+    if not idx.is_pinned():
+        idx = idx.pin_memory()
+    return idx.to(torch.device("cuda", device), non_blocking=True)
+
+
+def _check_range(name: str, idx: torch.Tensor, rows: int) -> None:
+    if idx.numel() and int(idx.max()) >= rows:
+        raise TransferIndexError(f"{name} holds index {int(idx.max())}, but its pool has only {rows} slots")
+
+
+def _block_quota(block_quota) -> int:
+    if block_quota is None:
+        return DEFAULT_BLOCK_QUOTA
+    if isinstance(block_quota, bool) or not isinstance(block_quota, int) or block_quota < 1:
+        raise ValueError(f"block_quota must be a positive int (CTAs to launch), got {block_quota!r}")
+    return block_quota
+
+
+def _method(method) -> int:
+    name = settings.method() if method is None else method
+    try:
+        return _METHODS[name]
+    except KeyError:
+        raise ValueError(f"method must be one of {', '.join(_METHODS)}, got {method!r}") from None
+
+
+def _launch(device: int, indices_dst, indices_src, *, dst_bases, src_bases, dst_tables, src_tables,
+            num_layers: int, dst_stride: int, src_stride: int, row_bytes: int, dst_rows: int, src_rows: int,
+            block_quota, method) -> str:
+    _check_index_pair(indices_dst, indices_src, device)
+    quota, method_code = _block_quota(block_quota), _method(method)
+    state = _state(device)
+    _raise_reported(state)
+    idx_dst, idx_src = _on_device(indices_dst, device), _on_device(indices_src, device)
+    if idx_dst.dtype != idx_src.dtype:  # the kernel reads both with one index type
+        idx_dst, idx_src = idx_dst.long(), idx_src.long()
+    if settings.strict():
+        if src_rows >= 0:
+            _check_range("indices_src", idx_src, src_rows)
+        if dst_rows >= 0:
+            _check_range("indices_dst", idx_dst, dst_rows)
+    num_caches = 2 if (dst_bases[1] or dst_tables[1]) else 1
+    method_used = state.transfer(
+        idx_src, idx_dst, src_bases[0], src_bases[1], dst_bases[0], dst_bases[1],
+        src_tables[0], src_tables[1], dst_tables[0], dst_tables[1], num_caches, num_layers,
+        src_stride, dst_stride, row_bytes, src_rows, dst_rows, quota, method_code,
+        state.error_flags.data_ptr(),
+    )
+    return METHOD_NAMES[method_used]
+
+
+def transfer_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *, element_dim=None,
+                           block_quota=None, method=None) -> str:
+    """Copies rows of one layer's MLA cache: ``cache_dst[indices_dst[i]] = cache_src[indices_src[i]]``.
+
+    ``element_dim`` views flat caches as rows of that many elements;
+    ``block_quota`` is the number of CTAs (SMs) to use; ``method`` is 'auto',
+    'plain' or 'bulk' (default: $SGLANG_HICACHE_JIT_METHOD or 'auto').
+    Returns the copy method that ran ('bulk' or 'plain').
+    """
+    dst = _Side("cache_dst", cache_dst, element_dim, written=True)
+    src = _Side("cache_src", cache_src, element_dim, written=False)
+    _check_pair(dst, src, "cache_dst", "cache_src")
+    device = _device_of(dst, src)
+    return _launch(device, indices_dst, indices_src, dst_bases=(dst.ptr, 0), src_bases=(src.ptr, 0),
+            dst_tables=(0, 0), src_tables=(0, 0), num_layers=1, dst_stride=dst.stride, src_stride=src.stride,
+            row_bytes=dst.row_bytes, dst_rows=dst.rows, src_rows=src.rows, block_quota=block_quota, method=method)
+
+
+def transfer_one_layer(k_dst, v_dst, indices_dst, k_src, v_src, indices_src, *, element_dim=None,
+                       block_quota=None, method=None) -> str:
+    """Copies rows of one layer's K and V caches in one launch (same indices for both)."""
+    sides = [_Side(n, t, element_dim, written=n.endswith("dst")) for n, t in
+             (("k_dst", k_dst), ("v_dst", v_dst), ("k_src", k_src), ("v_src", v_src))]
+    kd, vd, ks, vs = sides
+    _check_pair(kd, ks, "k_dst", "k_src")
+    _check_pair(vd, vs, "v_dst", "v_src")
+    _check_pair(vd, kd, "v_dst", "k_dst")
+    for (a, b, an, bn) in ((kd, vd, "k_dst", "v_dst"), (ks, vs, "k_src", "v_src")):
+        if a.stride != b.stride or a.rows != b.rows:
+            raise ValueError(f"{an} and {bn} must have the same slot count and stride "
+                             f"(got {a.rows}x{a.stride} B and {b.rows}x{b.stride} B)")
+        if (a.device is None) != (b.device is None):
+            raise ValueError(f"{an} and {bn} must both be on the GPU or both in host memory")
+    device = _device_of(*sides)
+    return _launch(device, indices_dst, indices_src, dst_bases=(kd.ptr, vd.ptr), src_bases=(ks.ptr, vs.ptr),
+            dst_tables=(0, 0), src_tables=(0, 0), num_layers=1, dst_stride=kd.stride, src_stride=ks.stride,
+            row_bytes=kd.row_bytes, dst_rows=kd.rows, src_rows=ks.rows, block_quota=block_quota, method=method)
+
+
+class LayerTable:
+    """The per-layer caches of one side of an all-layer transfer, validated once.
+
+    Pools build one per side and reuse it: validating dozens of layers costs
+    more than launching the copy. ``caches`` holds one tensor per layer (all
+    with the same row size, slot count and stride), or a ``(k_caches,
+    v_caches)`` pair of such lists for MHA.
+    """
+
+    def __init__(self, caches, *, name: str = "caches", written: bool = False, element_dim: int | None = None):
+        groups = caches if _is_kv_pair(caches) else (caches,)
+        self.name = name
+        self.sides = []
+        for g, group in enumerate(groups):
+            group = list(group)
+            if not group:
+                raise ValueError(f"{name} must hold at least one layer")
+            label = name if len(groups) == 1 else f"{name}[{'kv'[g]}]"
+            self.sides.append([_Side(f"{label}[{i}]", t, element_dim, written=written) for i, t in enumerate(group)])
+        first = self.sides[0][0]
+        for sides in self.sides:
+            if len(sides) != len(self.sides[0]):
+                raise ValueError(f"{name}: K and V must have the same number of layers")
+            for s in sides:
+                if (s.row_bytes, s.stride, s.rows, s.dtype, s.device is None) != (
+                        first.row_bytes, first.stride, first.rows, first.dtype, first.device is None):
+                    raise ValueError(f"{name}: every layer must have the same dtype, row size, slot count, slot "
+                                     "stride and memory kind (GPU or pinned host)")
+        self.num_caches = len(self.sides)
+        self.num_layers = len(self.sides[0])
+        self.row_bytes, self.stride, self.rows, self.dtype = first.row_bytes, first.stride, first.rows, first.dtype
+        devices = {s.device for sides in self.sides for s in sides if s.device is not None}
+        if len(devices) > 1:
+            raise ValueError(f"{name}: layers are on several devices {sorted(devices)}")
+        self.device = devices.pop() if devices else None
+        self._tables: dict[int, list[torch.Tensor]] = {}
+
+    def tables(self, device: int) -> tuple[int, int]:
+        """Addresses of the per-cache uint64 pointer tables on ``device``."""
+        tables = self._tables.get(device)
+        if tables is None:
+            tables = [torch.tensor([s.ptr for s in sides], dtype=torch.uint64, device=torch.device("cuda", device))
+                      for sides in self.sides]
+            self._tables[device] = tables
+        return tables[0].data_ptr(), tables[1].data_ptr() if len(tables) > 1 else 0
+
+
+def _is_kv_pair(caches) -> bool:
+    return (isinstance(caches, tuple) and len(caches) == 2
+            and all(isinstance(g, (list, tuple)) for g in caches))
+
+
+def transfer_all_layer(tables_dst, indices_dst, tables_src, indices_src, *, block_quota=None, method=None) -> str:
+    """Copies the rows of every layer in one launch.
+
+    ``tables_dst`` / ``tables_src`` are LayerTable objects (or what LayerTable
+    accepts: a list of per-layer tensors for MLA, a ``(k_list, v_list)`` pair
+    for MHA). Both sides need the same layer count, cache count and row size.
+    """
+    dst = tables_dst if isinstance(tables_dst, LayerTable) else LayerTable(tables_dst, name="tables_dst", written=True)
+    src = tables_src if isinstance(tables_src, LayerTable) else LayerTable(tables_src, name="tables_src")
+    if (dst.num_caches, dst.num_layers) != (src.num_caches, src.num_layers):
+        raise ValueError(f"tables_dst has {dst.num_caches} cache(s) x {dst.num_layers} layers but tables_src has "
+                         f"{src.num_caches} x {src.num_layers}; they must match")
+    if dst.dtype != src.dtype or dst.row_bytes != src.row_bytes:
+        raise ValueError(f"tables_dst rows are {dst.row_bytes} B of {dst.dtype} but tables_src rows are "
+                         f"{src.row_bytes} B of {src.dtype}; they must match")
+    devices = {d for d in (dst.device, src.device) if d is not None}
+    if not devices:
+        raise ValueError("both sides are in host memory; one side of a transfer must be on the GPU")
+    if len(devices) > 1:
+        raise ValueError(f"the two sides are on different devices ({sorted(devices)})")
+    device = devices.pop()
+    return _launch(device, indices_dst, indices_src, dst_bases=(0, 0), src_bases=(0, 0),
+                   dst_tables=dst.tables(device), src_tables=src.tables(device), num_layers=dst.num_layers,
+                   dst_stride=dst.stride, src_stride=src.stride, row_bytes=dst.row_bytes, dst_rows=dst.rows,
+                   src_rows=src.rows, block_quota=block_quota, method=method)

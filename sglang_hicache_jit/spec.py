@@ -1,0 +1,116 @@
+"""What one build is made of, and the key that names it in the cache.
+
+The key is a sha256 over everything that changes the binary: the bytes of
+every source and header, the compiler flags, the target archs, the CUDA
+toolkit, torch's version (its C++ ABI), the Python ABI and this package's
+version. It is split in two so that a machine without nvcc can still load an
+entry built elsewhere for the same torch and Python:
+
+* ``abi_key``: all of the above except the toolkit;
+* ``key``: ``abi_key`` plus the toolkit identity. Without a toolkit the loader
+  looks for any verified entry with the right ``abi_key`` (see loader.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import platform
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .arch import Arch, archs_tag
+from .toolchain import torch_info
+
+KERNEL = "hicache_transfer"
+SOURCES = ("hicache_transfer.cu", "binding.cpp")
+HEADERS = ("hicache_transfer.h",)
+# torch adds -O2/-fPIC/-std and the half-precision guards itself.
+CUDA_FLAGS = ("-O3", "-lineinfo")
+CXX_FLAGS = ("-O2", "-DUSE_CUDA")
+LAYOUT_VERSION = "v1"  # bump when the cache layout or manifest format changes
+
+
+def kernels_dir() -> Path:
+    """The CUDA sources: inside the package in a wheel, beside it in a checkout."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "kernels", package.parent / "kernels"):
+        if all((candidate / name).is_file() for name in SOURCES + HEADERS):
+            return candidate
+    raise FileNotFoundError(
+        f"the CUDA sources ({', '.join(SOURCES + HEADERS)}) are neither in {package / 'kernels'} "
+        f"nor in {package.parent / 'kernels'}; the installation is incomplete (reinstall the package)"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _read_sources(directory: str) -> tuple[tuple[str, bytes], ...]:
+    return tuple((name, (Path(directory) / name).read_bytes()) for name in SOURCES + HEADERS)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """One library to build: a kernel set for a tuple of archs."""
+
+    archs: tuple[Arch, ...]
+    kernel: str = KERNEL
+    files: tuple[tuple[str, bytes], ...] = field(default=(), repr=False)
+
+    @classmethod
+    def for_archs(cls, archs: tuple[Arch, ...]) -> "BuildSpec":
+        return cls(archs=tuple(sorted(archs)), files=_read_sources(str(kernels_dir())))
+
+    @property
+    def arch_tag(self) -> str:
+        return archs_tag(self.archs)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return SOURCES
+
+    def cuda_flags(self) -> list[str]:
+        flags = list(CUDA_FLAGS)
+        for arch in self.archs:
+            flags += arch.nvcc_flags()
+        return flags
+
+    def cxx_flags(self) -> list[str]:
+        return list(CXX_FLAGS)
+
+    @functools.cached_property
+    def abi_components(self) -> dict:
+        torch = torch_info()
+        return {
+            "layout": LAYOUT_VERSION,
+            "package": __version__,
+            "kernel": self.kernel,
+            "sources": {name: _sha256(data) for name, data in self.files},
+            "cuda_flags": self.cuda_flags(),
+            "cxx_flags": self.cxx_flags(),
+            "archs": [str(a) for a in self.archs],
+            "torch": torch["version"],
+            "torch_git": torch["git"],
+            "torch_cuda": torch["cuda"],
+            "python": sys.implementation.cache_tag,
+            "soabi": sysconfig.get_config_var("SOABI") or "",
+            "machine": platform.machine(),
+        }
+
+    @functools.cached_property
+    def abi_key(self) -> str:
+        return _sha256(json.dumps(self.abi_components, sort_keys=True).encode())[:16]
+
+    def key(self, toolkit_identity: str) -> str:
+        return _sha256(f"{self.abi_key}:{toolkit_identity}".encode())[:16]
+
+    def extension_name(self, key: str) -> str:
+        """The library's file stem and torch op namespace: unique per build."""
+        return f"{self.kernel}_{key}"

@@ -1,0 +1,242 @@
+"""Finding the CUDA toolkit, ninja and the host compiler, and checking them.
+
+Two tiers, because the warm path must not start a subprocess:
+  * ``toolkit_identity()`` reads files only (a few stat calls and the head of
+    cuda.h) and names the toolkit for the cache key;
+  * ``check_build_tools()`` runs ``nvcc --version`` and friends, once per
+    process, only before a build.
+
+The CUDA home is searched in this order: $CUDA_HOME / $CUDA_PATH, the ``nvcc``
+on PATH when it sits inside a toolkit, then /usr/local/cuda and
+/usr/local/cuda-*. An ``nvcc`` on PATH that is a wrapper script (its directory
+holds no toolkit) is not trusted to locate one: torch's own guess takes its
+parent directory and fails that way.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .arch import Arch
+from .errors import ArchUnsupportedError, ToolchainError
+
+
+@dataclass(frozen=True)
+class Toolkit:
+    home: Path
+    version: str  # "13.0", from cuda.h
+    found_by: str
+
+    @property
+    def nvcc(self) -> Path:
+        return self.home / "bin" / "nvcc"
+
+    @property
+    def identity(self) -> str:
+        """Names this toolkit in cache keys: version plus nvcc's size, which
+        tells patch releases apart without hashing a 30 MB binary."""
+        try:
+            size = self.nvcc.stat().st_size
+        except OSError:
+            size = 0
+        return f"cuda-{self.version}-nvcc{size}"
+
+
+def _is_toolkit(home: Path) -> bool:
+    return (home / "bin" / "nvcc").is_file() and (home / "include" / "cuda.h").is_file()
+
+
+def _header_version(home: Path) -> str | None:
+    try:
+        with open(home / "include" / "cuda.h", "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return None
+    match = re.search(rb"#define\s+CUDA_VERSION\s+(\d+)", head)
+    if not match:
+        return None
+    number = int(match.group(1))
+    return f"{number // 1000}.{(number % 1000) // 10}"
+
+
+def _version_key(path: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", os.path.basename(path)))
+
+
+def _candidates() -> list[tuple[Path, str]]:
+    found: list[tuple[Path, str]] = []
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(variable, "").strip()
+        if value:
+            found.append((Path(value), f"${variable}"))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        found.append((Path(os.path.realpath(nvcc)).parent.parent, "nvcc on PATH"))
+    found.append((Path("/usr/local/cuda"), "/usr/local/cuda"))
+    for path in sorted(glob.glob("/usr/local/cuda-*"), key=_version_key, reverse=True):
+        found.append((Path(path), path))
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _find_toolkit_cached(environment: tuple) -> Toolkit | None:
+    for home, how in _candidates():
+        if _is_toolkit(home):
+            version = _header_version(home)
+            if version:
+                return Toolkit(home.resolve(), version, how)
+    return None
+
+
+def find_toolkit() -> Toolkit | None:
+    """The CUDA toolkit to build with, or None. File reads only."""
+    environment = tuple(os.environ.get(v, "") for v in ("CUDA_HOME", "CUDA_PATH", "PATH"))
+    return _find_toolkit_cached(environment)
+
+
+def require_toolkit() -> Toolkit:
+    toolkit = find_toolkit()
+    if toolkit is None:
+        explicit = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+        where = f" (CUDA_HOME={explicit} has no bin/nvcc and include/cuda.h)" if explicit else ""
+        raise ToolchainError(
+            f"No CUDA toolkit found{where}: searched $CUDA_HOME, $CUDA_PATH, nvcc on PATH, "
+            "/usr/local/cuda and /usr/local/cuda-*.",
+            "install the CUDA toolkit (nvcc) matching torch's CUDA major version, or set CUDA_HOME "
+            "to its directory.",
+            code="no_nvcc",
+        )
+    return toolkit
+
+
+def torch_info() -> dict:
+    """torch's version, CUDA version and git revision, without importing torch
+    when it is not imported yet (prewarm waiters and key checks stay light)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "version"):
+        return {
+            "version": str(torch.__version__),
+            "cuda": torch.version.cuda,
+            "git": getattr(torch.version, "git_version", ""),
+        }
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        raise ToolchainError(
+            "PyTorch is not installed.", "pip install torch (a CUDA build).", code="no_torch"
+        )
+    namespace: dict = {}
+    version_file = Path(spec.origin).parent / "version.py"
+    exec(compile(version_file.read_text(), str(version_file), "exec"), namespace)  # a plain constants file
+    return {
+        "version": str(namespace.get("__version__")),
+        "cuda": namespace.get("cuda"),
+        "git": namespace.get("git_version", ""),
+    }
+
+
+def find_ninja() -> str | None:
+    ninja = shutil.which("ninja")
+    if ninja:
+        return ninja
+    try:  # the PyPI 'ninja' package, when its scripts directory is not on PATH
+        import ninja as ninja_package
+
+        candidate = Path(ninja_package.BIN_DIR) / "ninja"
+        return str(candidate) if candidate.is_file() else None
+    except (ImportError, AttributeError):
+        return None
+
+
+def _run(cmd: list[str]) -> str:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise OSError(f"{' '.join(cmd)} exited with {result.returncode}: {result.stderr.strip()[:500]}")
+    return result.stdout
+
+
+@dataclass(frozen=True)
+class BuildTools:
+    toolkit: Toolkit
+    nvcc_version: str      # full 'release 13.0, V13.0.88' line
+    nvcc_archs: frozenset  # compute capabilities nvcc can target, e.g. {"90", "100"}
+    ninja: str
+    cxx: str
+    cxx_version: str
+
+
+@functools.lru_cache(maxsize=None)
+def _build_tools(home: str, version: str, found_by: str) -> BuildTools:
+    toolkit = Toolkit(Path(home), version, found_by)
+    try:
+        version_text = _run([str(toolkit.nvcc), "--version"])
+        arch_text = _run([str(toolkit.nvcc), "--list-gpu-arch"])
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ToolchainError(
+            f"{toolkit.nvcc} does not run: {exc}", "repair the CUDA toolkit install or point CUDA_HOME at a working one.",
+            code="no_nvcc",
+        ) from None
+    release = re.search(r"release (\d+)\.(\d+).*", version_text)
+    nvcc_version = release.group(0).strip() if release else version_text.strip().splitlines()[-1]
+    archs = frozenset(re.findall(r"compute_(\d+)", arch_text))
+
+    torch_cuda = torch_info()["cuda"]
+    if torch_cuda is None:
+        raise ToolchainError(
+            "This PyTorch is a CPU-only build (torch.version.cuda is None); the kernels need a CUDA build.",
+            "install a CUDA build of torch (e.g. pip install torch from the CUDA index).",
+            code="cuda_version_mismatch",
+        )
+    nvcc_major = release.group(1) if release else version.split(".")[0]
+    if nvcc_major != torch_cuda.split(".")[0]:
+        raise ToolchainError(
+            f"nvcc at {toolkit.nvcc} is CUDA {nvcc_major}.x but torch was built with CUDA {torch_cuda}.",
+            f"install CUDA {torch_cuda.split('.')[0]}.x and set CUDA_HOME to it, or install a torch "
+            f"built for CUDA {nvcc_major}.",
+            code="cuda_version_mismatch",
+        )
+
+    ninja = find_ninja()
+    if ninja is None:
+        raise ToolchainError(
+            "ninja is not installed; torch.utils.cpp_extension needs it to compile.",
+            "pip install ninja",
+            code="no_ninja",
+        )
+    cxx = os.environ.get("CXX", "c++")
+    cxx_path = shutil.which(cxx)
+    if cxx_path is None:
+        raise ToolchainError(
+            f"The host C++ compiler {cxx!r} is not on PATH.",
+            "install g++ (e.g. apt-get install g++) or set CXX to a compiler.",
+            code="no_cxx",
+        )
+    try:
+        cxx_version = _run([cxx_path, "--version"]).splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        cxx_version = "unknown"
+    return BuildTools(toolkit, nvcc_version, archs, ninja, cxx_path, cxx_version)
+
+
+def check_build_tools(archs: tuple[Arch, ...]) -> BuildTools:
+    """Everything a build needs, or a ToolchainError / ArchUnsupportedError saying what is missing."""
+    toolkit = require_toolkit()
+    tools = _build_tools(str(toolkit.home), toolkit.version, toolkit.found_by)
+    missing = [str(a) for a in archs if a.number.rstrip("af") not in tools.nvcc_archs]
+    if missing:
+        supported = ", ".join(f"{int(n) // 10}.{int(n) % 10}" for n in sorted(tools.nvcc_archs, key=int))
+        raise ArchUnsupportedError(
+            f"nvcc {tools.nvcc_version} at {toolkit.nvcc} cannot target {', '.join(missing)} "
+            f"(it supports {supported}).",
+            "name an arch this nvcc supports, or install a CUDA toolkit that supports it.",
+        )
+    return tools

@@ -1,0 +1,59 @@
+"""Shared test setup: markers that skip cleanly, and an isolated build cache.
+
+* ``gpu`` tests need a CUDA GPU and are skipped without one.
+* ``build`` tests run nvcc for a named arch (no GPU needed) and are skipped
+  when no CUDA toolkit is installed.
+
+Every test session gets its own cache root (SGLANG_HICACHE_JIT_CACHE_DIR), so
+tests never touch a user's cache; one build of the kernels is shared by all
+tests of the session.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _has_toolkit() -> bool:
+    from sglang_hicache_jit.toolchain import find_toolkit
+
+    return find_toolkit() is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu, toolkit = _has_gpu(), _has_toolkit()
+    for item in items:
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "build" in item.keywords and not toolkit:
+            item.add_marker(pytest.mark.skip(reason="needs the CUDA toolkit (nvcc)"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory):
+    """A private cache root for the whole session (kept unless the caller named one)."""
+    if os.environ.get("SGLANG_HICACHE_JIT_TEST_KEEP_CACHE"):
+        yield Path(os.environ["SGLANG_HICACHE_JIT_CACHE_DIR"])
+        return
+    root = tmp_path_factory.mktemp("hicache-cache")
+    old = os.environ.get("SGLANG_HICACHE_JIT_CACHE_DIR")
+    os.environ["SGLANG_HICACHE_JIT_CACHE_DIR"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("SGLANG_HICACHE_JIT_CACHE_DIR", None)
+    else:
+        os.environ["SGLANG_HICACHE_JIT_CACHE_DIR"] = old

@@ -1,0 +1,67 @@
+import pytest
+
+from sglang_hicache_jit.arch import Arch, archs_tag, parse_arch, parse_arch_list, resolve_archs
+from sglang_hicache_jit.errors import NoArchError
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("9.0", Arch(9, 0)),
+    ("sm_90", Arch(9, 0)),
+    ("90", Arch(9, 0)),
+    ("9.0a", Arch(9, 0, "a")),
+    ("10.0+PTX", Arch(10, 0, "", True)),
+    ("compute_86", Arch(8, 6)),
+    (" 12.0 ", Arch(12, 0)),
+])
+def test_parse_arch(text, expected):
+    assert parse_arch(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "nine", "9", "9.0b", "sm90x", "9.0.1"])
+def test_parse_arch_rejects_with_the_expected_form(bad):
+    with pytest.raises(ValueError, match="arch|empty"):
+        parse_arch_list(bad)
+
+
+def test_arch_list_is_sorted_and_deduplicated():
+    archs = parse_arch_list("10.0;8.0 9.0,9.0")
+    assert [str(a) for a in archs] == ["8.0", "9.0", "10.0"]
+    assert archs_tag(archs) == "sm80-sm90-sm100"
+
+
+def test_nvcc_flags_embed_sass_and_optionally_ptx():
+    assert Arch(9, 0).nvcc_flags() == ["-gencode=arch=compute_90,code=sm_90"]
+    assert Arch(9, 0, "a", True).nvcc_flags() == [
+        "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_90a,code=compute_90a"]
+
+
+def test_runs_on_follows_binary_compatibility():
+    assert Arch(8, 0).runs_on((8, 6))
+    assert not Arch(8, 6).runs_on((8, 0))
+    assert not Arch(8, 0).runs_on((9, 0))  # machine code does not cross major versions
+    assert Arch(9, 0, "a").runs_on((9, 0))
+    assert not Arch(10, 0, "a").runs_on((10, 3))
+
+
+def test_resolution_order(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_ARCH", "9.0;10.0")
+    assert resolve_archs("12.0") == ((Arch(12, 0),), "argument")
+    assert resolve_archs() == ((Arch(9, 0), Arch(10, 0)), "SGLANG_HICACHE_JIT_ARCH")
+    monkeypatch.delenv("SGLANG_HICACHE_JIT_ARCH")
+    assert resolve_archs() == ((Arch(8, 0),), "TORCH_CUDA_ARCH_LIST")
+
+
+def test_bad_environment_arch_names_the_variable(monkeypatch):
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_ARCH", "hopper")
+    with pytest.raises(ValueError, match="SGLANG_HICACHE_JIT_ARCH"):
+        resolve_archs()
+
+
+def test_no_gpu_and_no_arch_says_how_to_name_one(monkeypatch):
+    monkeypatch.delenv("SGLANG_HICACHE_JIT_ARCH", raising=False)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr("sglang_hicache_jit.arch.current_gpu_capability", lambda device=None: None)
+    with pytest.raises(NoArchError, match="--arch 9.0") as info:
+        resolve_archs()
+    assert info.value.code == "no_arch"

@@ -1,0 +1,145 @@
+"""Real builds with nvcc for arch 9.0 (no GPU needed): the loader's contract.
+
+Marked ``build``; skipped when no CUDA toolkit is installed.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sglang_hicache_jit import spec as spec_module
+from sglang_hicache_jit.arch import parse_arch_list
+from sglang_hicache_jit.errors import BuildFailedError
+from sglang_hicache_jit.loader import ensure_built
+
+pytestmark = [pytest.mark.build]
+ROOT = Path(__file__).resolve().parent.parent
+ARCH = "9.0"
+
+
+def _env(cache: Path, **extra) -> dict:
+    env = dict(os.environ, SGLANG_HICACHE_JIT_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT), **extra)
+    env.pop("SGLANG_HICACHE_JIT_ARCH", None)
+    return env
+
+
+def _cli(*args, env, timeout=300, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "sglang_hicache_jit", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _prewarm_json(env, **kw):
+    out = _cli("prewarm", "--arch", ARCH, "--json", env=env, **kw)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (record,) = json.loads(out.stdout)
+    return record
+
+
+def test_prewarm_then_warm_load_runs_no_subprocess(session_cache):
+    env = _env(session_cache)
+    record = _prewarm_json(env)
+    assert record["action"] in ("built", "cached") and record["kernel"] == "hicache_transfer"
+    assert Path(record["path"], "manifest.json").is_file()
+    # A fresh process loads the published library without ninja, nvcc or any subprocess.
+    probe = (
+        "import subprocess, time, torch\n"
+        "def refuse(*a, **k): raise AssertionError('a subprocess was started on the warm path')\n"
+        "subprocess.Popen.__init__ = refuse\n"
+        "from sglang_hicache_jit.loader import load_kernels\n"
+        "t = time.perf_counter(); lib = load_kernels('9.0'); dt = time.perf_counter() - t\n"
+        "assert hasattr(lib.ops, 'transfer'), lib\n"
+        "print(lib.path, dt)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == str(Path(record["path"]) / json.load(open(Path(record["path"], "manifest.json")))["library"])
+
+
+def test_two_arch_builds_load_side_by_side_in_one_process(session_cache):
+    out = _cli("check", "--arch", "8.0;9.0", env=_env(session_cache))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("ok: built and loadable") == 2
+
+
+def test_eight_concurrent_prewarms_build_once(tmp_path):
+    env = _env(tmp_path / "cache")
+    procs = [subprocess.Popen([sys.executable, "-m", "sglang_hicache_jit", "prewarm", "--arch", ARCH, "--json"],
+                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(8)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1][-2000:] for r in results]
+    actions = sorted(json.loads(out)[0]["action"] for out, _ in results)
+    assert actions.count("built") == 1, actions
+    assert set(actions) <= {"built", "waited", "cached"}
+    assert len({json.loads(out)[0]["path"] for out, _ in results}) == 1
+
+
+def test_sigkilled_builder_does_not_wedge_the_next_one(tmp_path):
+    cache = tmp_path / "cache"
+    env = _env(cache)
+    victim = subprocess.Popen([sys.executable, "-m", "sglang_hicache_jit", "prewarm", "--arch", ARCH],
+                              env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(cache.glob("v1/.staging/*/entry/build.log")):
+        time.sleep(0.05)
+    time.sleep(1.0)  # well inside the compile
+    assert victim.poll() is None, "the build finished before it could be killed; nothing tested"
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    started = time.monotonic()
+    record = _prewarm_json(env, timeout=120)
+    assert record["action"] == "built"
+    assert time.monotonic() - started < 60
+
+
+def test_truncated_library_is_rebuilt_not_loaded(tmp_path):
+    env = _env(tmp_path / "cache")
+    first = _prewarm_json(env)
+    manifest = json.loads(Path(first["path"], "manifest.json").read_text())
+    library = Path(first["path"], manifest["library"])
+    library.write_bytes(library.read_bytes()[: library.stat().st_size // 2])
+    second = _prewarm_json(env)
+    assert second["action"] == "built" and second["path"] == first["path"]
+    assert library.stat().st_size == manifest["size"]
+
+
+def test_failed_build_is_remembered_until_cleaned(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(spec_module, "CUDA_FLAGS", spec_module.CUDA_FLAGS + ("--no-such-nvcc-flag",))
+    archs = parse_arch_list(ARCH)
+    with pytest.raises(BuildFailedError) as first:
+        ensure_built(archs)
+    log = Path(first.value.log_path)
+    assert "no-such-nvcc-flag" in log.read_text()
+    started = time.monotonic()
+    with pytest.raises(BuildFailedError, match="failed earlier") as second:
+        ensure_built(archs)
+    assert time.monotonic() - started < 1.0 and second.value.log_path == str(log)
+    out = _cli("clean", "--failed", env=_env(tmp_path / "cache"))
+    assert out.returncode == 0 and not log.exists()
+
+
+def test_wheel_install_carries_the_kernel_sources(tmp_path):
+    dist = tmp_path / "dist"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist),
+                            str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = dist.glob("sglang_hicache_jit-*.whl")
+    site = tmp_path / "site"
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site), str(wheel)],
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    env = dict(_env(tmp_path / "cache"), PYTHONPATH=str(site))
+    where = subprocess.run([sys.executable, "-c", "from sglang_hicache_jit.spec import kernels_dir; print(kernels_dir())"],
+                           env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert where.returncode == 0, where.stderr
+    assert Path(where.stdout.strip()) == site / "sglang_hicache_jit" / "kernels"
+    record = _prewarm_json(env, cwd=tmp_path)
+    assert record["action"] == "built"
