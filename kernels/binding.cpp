@@ -26,7 +26,8 @@ int64_t transfer(Tensor indices_src, Tensor indices_dst, int64_t src_base0, int6
                  int64_t dst_base0, int64_t dst_base1, int64_t src_table0, int64_t src_table1,
                  int64_t dst_table0, int64_t dst_table1, int64_t num_caches, int64_t num_layers,
                  int64_t src_stride, int64_t dst_stride, int64_t row_bytes, int64_t src_rows,
-                 int64_t dst_rows, int64_t num_blocks, int64_t method, int64_t error_flags) {
+                 int64_t dst_rows, int64_t num_blocks, int64_t method, int64_t bulk_warps,
+                 int64_t read_align, int64_t error_flags) {
   STD_TORCH_CHECK(indices_src.is_cuda() && indices_dst.is_cuda(), "indices must be CUDA tensors");
   STD_TORCH_CHECK(indices_src.numel() == indices_dst.numel(), "index lengths differ");
   const auto device = indices_src.get_device_index();
@@ -53,6 +54,8 @@ int64_t transfer(Tensor indices_src, Tensor indices_dst, int64_t src_base0, int6
   t.src_rows = src_rows;
   t.dst_rows = dst_rows;
   t.num_blocks = static_cast<int32_t>(num_blocks);
+  t.bulk_warps = static_cast<int32_t>(bulk_warps);
+  t.read_align = static_cast<int32_t>(read_align);
   t.error_flags = reinterpret_cast<uint32_t*>(error_flags);
 
   torch::stable::accelerator::DeviceGuard guard(device);
@@ -76,8 +79,8 @@ STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
       "transfer(Tensor indices_src, Tensor indices_dst, int src_base0, int src_base1, "
       "int dst_base0, int dst_base1, int src_table0, int src_table1, int dst_table0, "
       "int dst_table1, int num_caches, int num_layers, int src_stride, int dst_stride, "
-      "int row_bytes, int src_rows, int dst_rows, int num_blocks, int method, "
-      "int error_flags) -> int");
+      "int row_bytes, int src_rows, int dst_rows, int num_blocks, int method, int bulk_warps, "
+      "int read_align, int error_flags) -> int");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CUDA, m) { m.impl("transfer", TORCH_BOX(&transfer)); }

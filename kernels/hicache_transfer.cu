@@ -29,7 +29,10 @@ constexpr int kPlainThreads = 512;
 constexpr int kPlainUnroll = 8;
 constexpr int kBulkLanes = 32;       // rows per chunk: one per lane of the warp
 constexpr int kBulkMaxStages = 32;   // one mbarrier per lane at most
-constexpr int kBulkBarrierBytes = 256;  // kBulkMaxStages mbarriers, 8 bytes each
+constexpr int kBulkBarrierBytes = 256;  // kBulkMaxStages mbarriers, 8 bytes each, per warp
+constexpr int kBulkMaxWarps = 8;
+constexpr int kDefaultBulkWarps = 1;
+constexpr int kDefaultReadAlign = 16;
 constexpr int64_t kMaxWork = (int64_t{1} << 31) - 1;  // 32-bit work counters
 
 // Exact n / d for 0 <= n < 2^31 and 1 <= d < 2^31 with a multiply and a
@@ -62,7 +65,9 @@ struct KernelParams {
   FastDiv vecs_per_row;  // plain kernel: row_bytes / vector width
   uint32_t num_rows;     // num_items * planes (< 2^31)
   uint32_t total_vecs;   // plain kernel: num_rows * vecs_per_row (< 2^31)
-  uint32_t bulk_stages;  // bulk kernel: chunks of 32 rows in flight per CTA
+  uint32_t bulk_stages;  // bulk kernel: chunks of 32 rows in flight per warp
+  uint32_t bulk_slot_bytes;  // shared memory per row: the row plus alignment slack
+  uint32_t read_align;
 };
 
 __device__ __forceinline__ void report(const HicacheTransfer& t, int word) {
@@ -78,7 +83,7 @@ __device__ __forceinline__ int64_t load_index(const void* indices, uint32_t i) {
 // row is skipped (negative index) or refused (index out of range).
 template <typename Index>
 __device__ __forceinline__ bool resolve_row(const KernelParams& p, uint32_t row,
-                                            const char*& src, char*& dst) {
+                                            const char*& src, char*& dst, uint64_t* src_base_out = nullptr) {
   const HicacheTransfer& t = p.t;
   uint32_t item, plane, cache, layer;
   p.planes.divmod(row, item, plane);
@@ -98,6 +103,7 @@ __device__ __forceinline__ bool resolve_row(const KernelParams& p, uint32_t row,
   const uint64_t* dst_table = cache ? t.dst_tables[1] : t.dst_tables[0];
   const uint64_t src_base = src_table ? __ldg(src_table + layer) : (cache ? t.src_bases[1] : t.src_bases[0]);
   const uint64_t dst_base = dst_table ? __ldg(dst_table + layer) : (cache ? t.dst_bases[1] : t.dst_bases[0]);
+  if (src_base_out != nullptr) *src_base_out = src_base;
   src = reinterpret_cast<const char*>(src_base + static_cast<uint64_t>(si * t.src_stride));
   dst = reinterpret_cast<char*>(dst_base + static_cast<uint64_t>(di * t.dst_stride));
   return true;
@@ -212,46 +218,72 @@ __device__ __forceinline__ void bulk_wait_read_all_but_one() {
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 #endif
 
-// One warp per CTA. Chunk k of this CTA holds 32 consecutive flattened rows,
-// lane i owning row i and its shared-memory slot in stage k % stages. A stage
-// goes: bulk load (host or device -> shared, completing on the stage's
-// mbarrier) -> bulk store (shared -> destination) -> refill with chunk
-// k + stages once the store has read the slot.
+// Each warp runs its own pipeline over chunks of 32 consecutive flattened
+// rows, lane i owning row i of a chunk and its shared-memory slot in stage
+// k % stages. A stage goes: bulk load (source -> shared, completing on the
+// stage's mbarrier) -> bulk store (shared -> destination) -> refill with
+// chunk k + stages once the store has read the slot.
+//
+// Loads read whole read_align-byte spans around the row when they stay inside
+// the source pool: PCIe moves aligned lines much better than ragged ones (656
+// and 576-byte rows start mid-line), and the store then picks the row out.
 template <typename Index>
-__global__ void __launch_bounds__(kBulkLanes, 1) copy_rows_bulk(const KernelParams p) {
+__global__ void __launch_bounds__(kBulkLanes * kBulkMaxWarps, 1) copy_rows_bulk(const KernelParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char smem[];
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
-  unsigned char* slots = smem + kBulkBarrierBytes;
-  const uint32_t lane = threadIdx.x;
+  const uint32_t lane = threadIdx.x % kBulkLanes;
+  const uint32_t warp = threadIdx.x / kBulkLanes;
+  const uint32_t warps = blockDim.x / kBulkLanes;
   const uint32_t stages = p.bulk_stages;
+  const uint32_t slot_bytes = p.bulk_slot_bytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + warp * kBulkMaxStages;
+  unsigned char* slots = smem + kBulkBarrierBytes * warps + size_t{warp} * stages * kBulkLanes * slot_bytes;
   const uint32_t row_bytes = static_cast<uint32_t>(p.t.row_bytes);
+  const uint64_t align_mask = static_cast<uint64_t>(p.read_align) - 1;
+  // Bytes from a row's base to the end of the last row of its pool, or 0 when the pool size is unknown.
+  const uint64_t pool_span =
+      p.t.src_rows > 0 ? static_cast<uint64_t>((p.t.src_rows - 1) * p.t.src_stride + p.t.row_bytes) : 0;
   const uint32_t num_chunks = (p.num_rows + kBulkLanes - 1) / kBulkLanes;
-  if (blockIdx.x >= num_chunks) return;
-  const uint32_t my_chunks = (num_chunks - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  const uint32_t pipe = blockIdx.x * warps + warp;  // this warp's pipeline
+  const uint32_t pipes = gridDim.x * warps;
+  if (pipe >= num_chunks) return;
+  const uint32_t my_chunks = (num_chunks - pipe + pipes - 1) / pipes;
 
   if (lane < stages) mbar_init(&bars[lane], 1);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   __syncwarp();
 
-  auto slot = [&](uint32_t stage) { return slots + (stage * kBulkLanes + lane) * row_bytes; };
-  // Resolves this lane's row of chunk k; true when it goes through the bulk
-  // engine (16-byte aligned), false when skipped or copied word by word.
-  auto bulk_row = [&](uint32_t k, const char*& s, char*& d, bool copy_misaligned) {
-    const uint32_t row = (blockIdx.x + k * gridDim.x) * kBulkLanes + lane;
-    if (row >= p.num_rows || !resolve_row<Index>(p, row, s, d)) return false;
-    if (((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d)) & 15) == 0) return true;
-    if (copy_misaligned) copy_words(p.t, s, d, row_bytes);
-    return false;
+  auto slot = [&](uint32_t stage) { return slots + (stage * kBulkLanes + lane) * slot_bytes; };
+  // This lane's row of chunk k: true when it goes through the bulk engine
+  // (16-byte aligned); false when skipped or, with copy_misaligned, copied
+  // word by word. [lo, hi) is the span the load reads.
+  auto bulk_row = [&](uint32_t k, const char*& s, char*& d, uint64_t& lo, uint64_t& hi, bool copy_misaligned) {
+    const uint32_t row = (pipe + k * pipes) * kBulkLanes + lane;
+    uint64_t base;
+    if (row >= p.num_rows || !resolve_row<Index>(p, row, s, d, &base)) return false;
+    if (((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d)) & 15) != 0) {
+      if (copy_misaligned) copy_words(p.t, s, d, row_bytes);
+      return false;
+    }
+    lo = reinterpret_cast<uint64_t>(s);
+    hi = lo + row_bytes;
+    if (pool_span != 0) {  // widen to aligned lines, clamped to the pool: never before its first row or past its last
+      const uint64_t wide_lo = lo & ~align_mask, wide_hi = (hi + align_mask) & ~align_mask;
+      lo = wide_lo > base ? wide_lo : base;
+      hi = wide_hi < base + pool_span ? wide_hi : base + pool_span;
+    }
+    return true;
   };
   auto issue_load = [&](uint32_t k) {
     const uint32_t stage = k % stages;
     const char* s;
     char* d;
-    const bool bulk = bulk_row(k, s, d, true);
-    const uint32_t rows = __popc(__ballot_sync(0xffffffffu, bulk));
-    if (lane == 0) mbar_arrive_expect_tx(&bars[stage], rows * row_bytes);
-    if (bulk) bulk_load(slot(stage), s, row_bytes, &bars[stage]);
+    uint64_t lo = 0, hi = 0;
+    const bool bulk = bulk_row(k, s, d, lo, hi, true);
+    const uint32_t bytes = bulk ? static_cast<uint32_t>(hi - lo) : 0;
+    const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
+    if (lane == 0) mbar_arrive_expect_tx(&bars[stage], total);
+    if (bulk) bulk_load(slot(stage), reinterpret_cast<const void*>(lo), bytes, &bars[stage]);
   };
 
   const uint32_t prologue = my_chunks < stages ? my_chunks : stages;
@@ -261,7 +293,10 @@ __global__ void __launch_bounds__(kBulkLanes, 1) copy_rows_bulk(const KernelPara
     mbar_wait(&bars[stage], (k / stages) & 1);
     const char* s;
     char* d;
-    if (bulk_row(k, s, d, false)) bulk_store(d, slot(stage), row_bytes);
+    uint64_t lo = 0, hi = 0;
+    if (bulk_row(k, s, d, lo, hi, false)) {
+      bulk_store(d, slot(stage) + (reinterpret_cast<uint64_t>(s) - lo), row_bytes);
+    }
     bulk_commit();
     // Refill the stage chunk k - 1 used: its store is no longer the newest.
     if (k >= 1 && k - 1 + stages < my_chunks) {
@@ -324,6 +359,10 @@ int validate(const HicacheTransfer& t) {
     if (t.src_tables[c] == nullptr && t.src_bases[c] == 0) return kErrInvalid;
     if (t.dst_tables[c] == nullptr && t.dst_bases[c] == 0) return kErrInvalid;
   }
+  if (t.bulk_warps < 0 || t.bulk_warps > kBulkMaxWarps) return kErrInvalid;
+  if (t.read_align != 0 && (t.read_align < 16 || t.read_align > 256 || (t.read_align & (t.read_align - 1)))) {
+    return kErrInvalid;
+  }
   const int64_t planes = int64_t{t.num_caches} * t.num_layers;
   if (planes * (t.row_bytes / 4) > kMaxWork || planes > kMaxWork) return kErrTooLarge;
   return 0;
@@ -336,14 +375,26 @@ int vector_width(const HicacheTransfer& t) {
   return 4;
 }
 
-uint32_t bulk_stages(const HicacheTransfer& t, const DeviceInfo& info) {
-  const int64_t stage_bytes = int64_t{kBulkLanes} * t.row_bytes;
-  const int64_t stages = (info.max_smem_optin - kBulkBarrierBytes) / stage_bytes;
-  return static_cast<uint32_t>(stages < kBulkMaxStages ? stages : kBulkMaxStages);
+struct BulkShape {
+  uint32_t warps, align, slot_bytes, stages;
+  size_t smem;
+};
+
+BulkShape bulk_shape(const HicacheTransfer& t, const DeviceInfo& info) {
+  BulkShape b;
+  b.warps = t.bulk_warps > 0 ? t.bulk_warps : kDefaultBulkWarps;
+  b.align = t.read_align > 0 ? t.read_align : kDefaultReadAlign;
+  const int64_t slot = (t.row_bytes + b.align - 16 + b.align - 1) / b.align * b.align;
+  b.slot_bytes = static_cast<uint32_t>(slot);
+  const int64_t per_stage = int64_t{kBulkLanes} * slot * b.warps;
+  const int64_t stages = (info.max_smem_optin - int64_t{kBulkBarrierBytes} * b.warps) / per_stage;
+  b.stages = static_cast<uint32_t>(stages < 0 ? 0 : (stages < kBulkMaxStages ? stages : kBulkMaxStages));
+  b.smem = size_t{kBulkBarrierBytes} * b.warps + size_t{b.stages} * per_stage;
+  return b;
 }
 
 int resolve_method(const HicacheTransfer& t, const DeviceInfo& info) {
-  const bool bulk_ok = info.bulk_capable && vector_width(t) == 16 && bulk_stages(t, info) >= 2;
+  const bool bulk_ok = info.bulk_capable && vector_width(t) == 16 && bulk_shape(t, info).stages >= 2;
   if (t.method == HICACHE_METHOD_BULK || t.method == HICACHE_METHOD_AUTO) {
     return bulk_ok ? HICACHE_METHOD_BULK : HICACHE_METHOD_PLAIN;
   }
@@ -373,7 +424,10 @@ int launch(const HicacheTransfer& t, const DeviceInfo& info, cudaStream_t stream
   p.planes = FastDiv::make(planes);
   p.layers = FastDiv::make(static_cast<uint32_t>(t.num_layers));
   p.vecs_per_row = FastDiv::make(vecs_per_row);
-  p.bulk_stages = method == HICACHE_METHOD_BULK ? bulk_stages(t, info) : 0;
+  const BulkShape bulk = bulk_shape(t, info);
+  p.bulk_stages = bulk.stages;
+  p.bulk_slot_bytes = bulk.slot_bytes;
+  p.read_align = bulk.align;
   // Launches of at most 2^31 work items each keep every counter in 32 bits.
   for (int64_t start = 0; start < t.num_items; start += items_per_launch) {
     const int64_t n = t.num_items - start < items_per_launch ? t.num_items - start : items_per_launch;
@@ -384,9 +438,10 @@ int launch(const HicacheTransfer& t, const DeviceInfo& info, cudaStream_t stream
     p.total_vecs = static_cast<uint32_t>(n * per_item);
     if (method == HICACHE_METHOD_BULK) {
       const int64_t chunks = (p.num_rows + kBulkLanes - 1) / kBulkLanes;
-      const int blocks = static_cast<int>(chunks < t.num_blocks ? chunks : t.num_blocks);
-      const size_t smem = kBulkBarrierBytes + size_t{p.bulk_stages} * kBulkLanes * t.row_bytes;
-      copy_rows_bulk<Index><<<blocks, kBulkLanes, smem, stream>>>(p);
+      const int64_t per_block = bulk.warps;
+      const int64_t needed = (chunks + per_block - 1) / per_block;
+      const int blocks = static_cast<int>(needed < t.num_blocks ? needed : t.num_blocks);
+      copy_rows_bulk<Index><<<blocks, kBulkLanes * bulk.warps, bulk.smem, stream>>>(p);
     } else {
       const int64_t per_block = int64_t{kPlainThreads} * kPlainUnroll;
       const int64_t needed = (p.total_vecs + per_block - 1) / per_block;

@@ -44,6 +44,10 @@ typedef struct HicacheTransfer {
 
   int32_t num_blocks;  // SM budget: CTAs to launch (>= 1)
   int32_t method;      // HICACHE_METHOD_*
+  // Bulk-method tuning; 0 picks the measured default.
+  int32_t bulk_warps;  // warps per CTA, each with its own pipeline (1..8)
+  int32_t read_align;  // bulk loads read whole aligned spans of this many bytes
+                       // (16..256, a power of two) when the pool bounds allow it
   // HICACHE_ERROR_WORDS device-visible words (pinned host memory) or NULL;
   // the kernel stores 1 into word HICACHE_ERR_* when that error occurs.
   uint32_t* error_flags;

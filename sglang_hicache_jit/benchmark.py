@@ -80,32 +80,42 @@ def make_indices(tokens: int, page_size: int, host_slots: int, device_slots: int
     return host, dev
 
 
-def time_call(fn, *, min_reps=5, max_reps=50, budget_s=0.25) -> list[float]:
-    """Per-call seconds from CUDA events, after a warm-up; enough calls to fill ``budget_s``."""
+def time_call(fn, *, min_reps=5, max_reps=40, budget_s=0.25, queue_s=300e-6) -> list[float]:
+    """Per-call seconds from CUDA events, after a warm-up.
+
+    Each timed rep enqueues enough back-to-back calls to keep the GPU busy for
+    about ``queue_s`` and divides, so a provider's Python cost per call does
+    not show up as idle GPU time unless it exceeds the transfer itself (then
+    the figure is CPU-bound, as it would be in a server).
+    """
     import torch
 
     fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     fn()
-    torch.cuda.synchronize()
-    once = max(time.perf_counter() - t0, 1e-6)
-    reps = int(min(max_reps, max(min_reps, budget_s / once)))
+    end.record()
+    end.synchronize()
+    once = max(start.elapsed_time(end) / 1e3, 1e-6)
+    batch = int(min(16, max(1, round(queue_s / once))))
+    reps = int(min(max_reps, max(min_reps, budget_s / (once * batch))))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
         start.record()
-        fn()
+        for _ in range(batch):
+            fn()
         end.record()
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) / 1e3 for s, e in events]
+    return [s.elapsed_time(e) / 1e3 / batch for s, e in events]
 
 
 def _providers(args):
+    if args.providers:  # an explicit list may name tuned variants, e.g. jit-bulk-q4-w2-a128
+        return ["ceiling"] + [p for p in args.providers if p != "ceiling"]
     names = ["ceiling", "jit"] + [f"jit-q{q}" for q in args.quotas]
-    if args.methods:
-        names += [f"jit-{m}-q{q}" for m in args.methods for q in args.quotas]
-    names += ["torch-index", "per-page"]
-    return [n for n in names if args.providers is None or n in args.providers or n == "ceiling"]
+    names += [f"jit-{m}-q{q}" for m in args.methods for q in args.quotas]
+    return names + ["torch-index", "per-page"]
 
 
 def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_idx, page_size, scratch):
@@ -133,28 +143,20 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
         return (lambda: dev.copy_(host, non_blocking=True)) if to_device else (lambda: host.copy_(dev, non_blocking=True))
 
     if provider.startswith("jit"):
-        parts = provider.split("-")[1:]
-        method = parts[0] if parts and parts[0] in ("plain", "bulk") else None
-        quota = int(parts[-1][1:]) if parts and parts[-1].startswith("q") else None
-        if scope == "all":
-            host_tab = ops.LayerTable(_table_arg([[buf[:, l] for l in range(LAYERS)] for buf in pools.host]),
-                                      written=not to_device)
-            dev_tab = ops.LayerTable(_table_arg(pools.device), written=to_device)
-            if to_device:
-                return lambda: ops.transfer_all_layer(dev_tab, dev_cuda, host_tab, host_cuda, block_quota=quota, method=method)
-            return lambda: ops.transfer_all_layer(host_tab, host_cuda, dev_tab, dev_cuda, block_quota=quota, method=method)
-        if caches == 1:
-            if to_device:
-                return lambda: ops.transfer_one_layer_mla(dev_views[0], dev_cuda, host_views[0], host_cuda,
-                                                          block_quota=quota, method=method)
-            return lambda: ops.transfer_one_layer_mla(host_views[0], host_cuda, dev_views[0], dev_cuda,
-                                                      block_quota=quota, method=method)
-        if to_device:
-            return lambda: ops.transfer_one_layer(dev_views[0], dev_views[1], dev_cuda, host_views[0], host_views[1],
-                                                  host_cuda, block_quota=quota, method=method)
-        return lambda: ops.transfer_one_layer(host_views[0], host_views[1], host_cuda, dev_views[0], dev_views[1],
-                                              dev_cuda, block_quota=quota, method=method)
+        method, quota, tuning = _parse_jit_provider(provider)
 
+        def tuned(call):
+            if not tuning:
+                return call
+
+            def run():
+                previous = ops.set_tuning(**tuning)
+                call()
+                ops.set_tuning(**previous)
+            return run
+
+        inner = _jit_call(ops, pools, scope, to_device, host_views, dev_views, host_cuda, dev_cuda, quota, method)
+        return tuned(inner)
     layers = range(LAYERS) if scope == "all" else [layer]
     pairs = [(pools.host[c][:, l], pools.device[c][l]) for l in layers for c in range(caches)]
     if provider == "torch-index":
@@ -181,6 +183,44 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
                         host[h:h + page_size].copy_(dev[d:d + page_size], non_blocking=True)
         return call
     raise ValueError(f"unknown provider {provider!r}")
+
+
+def _parse_jit_provider(name: str):
+    """'jit[-plain|-bulk][-qN][-wW][-aA]': method, CTAs, and bulk tuning (warps, read alignment)."""
+    method, quota, tuning = None, None, {}
+    for part in name.split("-")[1:]:
+        if part in ("plain", "bulk"):
+            method = part
+        elif part[0] == "q":
+            quota = int(part[1:])
+        elif part[0] == "w":
+            tuning["bulk_warps"] = int(part[1:])
+        elif part[0] == "a":
+            tuning["read_align"] = int(part[1:])
+        else:
+            raise ValueError(f"unknown provider part {part!r} in {name!r}")
+    return method, quota, tuning
+
+
+def _jit_call(ops, pools, scope, to_device, host_views, dev_views, host_cuda, dev_cuda, quota, method):
+    if scope == "all":
+        host_tab = ops.LayerTable(_table_arg([[buf[:, l] for l in range(LAYERS)] for buf in pools.host]),
+                                  written=not to_device)
+        dev_tab = ops.LayerTable(_table_arg(pools.device), written=to_device)
+        if to_device:
+            return lambda: ops.transfer_all_layer(dev_tab, dev_cuda, host_tab, host_cuda, block_quota=quota, method=method)
+        return lambda: ops.transfer_all_layer(host_tab, host_cuda, dev_tab, dev_cuda, block_quota=quota, method=method)
+    if pools.caches == 1:
+        if to_device:
+            return lambda: ops.transfer_one_layer_mla(dev_views[0], dev_cuda, host_views[0], host_cuda,
+                                                      block_quota=quota, method=method)
+        return lambda: ops.transfer_one_layer_mla(host_views[0], host_cuda, dev_views[0], dev_cuda,
+                                                  block_quota=quota, method=method)
+    if to_device:
+        return lambda: ops.transfer_one_layer(dev_views[0], dev_views[1], dev_cuda, host_views[0], host_views[1],
+                                              host_cuda, block_quota=quota, method=method)
+    return lambda: ops.transfer_one_layer(host_views[0], host_views[1], host_cuda, dev_views[0], dev_views[1],
+                                          dev_cuda, block_quota=quota, method=method)
 
 
 def _table_arg(groups):
@@ -225,6 +265,114 @@ def run(args) -> list[dict]:
                                 print(_row(record), flush=True)
         del pools
         torch.cuda.empty_cache()
+    return records
+
+
+def interference(args) -> list[dict]:
+    """A bf16 matmul saturating the GPU on the compute stream, transfers on a side stream.
+
+    For each provider: the matmul's slow-down against running alone, and the
+    transfer rate achieved while it runs (ratio to the unloaded ceiling).
+    """
+    import collections
+
+    import torch
+
+    m = args.gemm_size
+    a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty_like(a)
+    gemm = lambda: torch.mm(a, b, out=c)  # noqa: E731
+    gemm_alone = statistics.median(time_call(gemm, budget_s=0.5))
+    flops = 2 * m ** 3 / gemm_alone / 1e12
+    print(f"matmul {m}^3 bf16 alone: {gemm_alone * 1e3:.2f} ms ({flops:.0f} TFLOP/s)", flush=True)
+    low, high = torch.cuda.Stream.priority_range()
+    records, scratch = [], {}
+    for workload in args.workloads:
+        pools = make_pools(workload, args.host_slots, args.device_slots)
+        tokens = args.tokens[0]
+        page_size = args.page_sizes[0]
+        host_idx, dev_idx = make_indices(tokens, page_size, pools.host_slots, pools.device_slots, seed=1)
+        nbytes = tokens * pools.row_bytes * pools.caches
+        for direction in args.directions:
+            ceiling = None
+            for provider in _providers(args):
+                for priority_name, priority in (("normal", low), ("high", high)):
+                    fn = build_call(provider, pools, "one", direction, 3, host_idx, dev_idx, page_size, scratch)
+                    alone = statistics.median(time_call(fn))
+                    if provider == "ceiling" and priority_name == "normal":
+                        ceiling = nbytes / alone / 1e9
+                    side = torch.cuda.Stream(priority=priority)
+                    reps = max(3, int(round(args.gemm_seconds / gemm_alone)))
+                    torch.cuda.synchronize()
+                    g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    g0.record()
+                    for _ in range(reps):
+                        gemm()
+                    g1.record()
+                    count, pending = 0, collections.deque()
+                    with torch.cuda.stream(side):
+                        t0.record(side)
+                        while not g1.query():
+                            fn()
+                            done = torch.cuda.Event()
+                            done.record(side)
+                            pending.append(done)
+                            count += 1
+                            if len(pending) > 4:
+                                pending.popleft().synchronize()
+                        t1.record(side)
+                    torch.cuda.synchronize()
+                    gemm_loaded = g0.elapsed_time(g1) / 1e3 / reps
+                    loaded_gbps = count * nbytes / (t0.elapsed_time(t1) / 1e3) / 1e9
+                    record = dict(mode="interference", workload=workload, direction=direction, tokens=tokens,
+                                  page_size=page_size, provider=provider, priority=priority_name,
+                                  transfers=count, gbps_alone=nbytes / alone / 1e9, gbps_loaded=loaded_gbps,
+                                  ratio_loaded=loaded_gbps / ceiling if ceiling else None,
+                                  gemm_alone_s=gemm_alone, gemm_loaded_s=gemm_loaded,
+                                  gemm_slowdown=gemm_loaded / gemm_alone - 1, device=torch.cuda.get_device_name())
+                    records.append(record)
+                    print(f"{workload:<12} {direction} {provider:<16} {priority_name:<6} alone {record['gbps_alone']:6.2f}"
+                          f" GB/s | under matmul {loaded_gbps:6.2f} GB/s (x{record['ratio_loaded'] or 0:.2f})"
+                          f" | matmul +{record['gemm_slowdown'] * 100:5.1f}%  (n={count})", flush=True)
+        del pools
+        torch.cuda.empty_cache()
+    return records
+
+
+def overhead(args) -> list[dict]:
+    """Host (CPU) cost per call, launching back to back without waiting: the
+    floor under which a small transfer cannot go however fast the kernel is."""
+    import torch
+
+    from . import ops
+
+    records = []
+    tokens = 64
+    dev = torch.randint(0, 256, (4096, 1152), dtype=torch.uint8, device="cuda")
+    host = torch.empty((4096, 8, 1152), dtype=torch.uint8, pin_memory=True)[:, 3]
+    idx_gpu = torch.arange(tokens, device="cuda")
+    idx_cpu = torch.arange(tokens)
+    contiguous_host = torch.empty(tokens * 1152, dtype=torch.uint8, pin_memory=True)
+    contiguous_dev = torch.empty_like(contiguous_host, device="cuda")
+    calls = {
+        "jit one-layer, GPU indices": lambda: ops.transfer_one_layer_mla(dev, idx_gpu, host, idx_gpu),
+        "jit one-layer, CPU indices": lambda: ops.transfer_one_layer_mla(dev, idx_cpu, host, idx_cpu),
+        "torch copy_ (contiguous)": lambda: contiguous_dev.copy_(contiguous_host, non_blocking=True),
+    }
+    for name, fn in calls.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        n = 2000
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        cpu = (time.perf_counter() - t) / n
+        torch.cuda.synchronize()
+        records.append(dict(mode="overhead", provider=name, cpu_us_per_call=cpu * 1e6))
+        print(f"{name:<32} {cpu * 1e6:6.1f} us per call (host)", flush=True)
     return records
 
 
@@ -278,6 +426,11 @@ def parse_args(argv=None):
     p.add_argument("--max-baseline-tokens", type=int, default=16384,
                    help="skip the slow PyTorch baselines above this many tokens")
     p.add_argument("--max-all-layer-tokens", type=int, default=65536)
+    p.add_argument("--mode", default="transfer", choices=["transfer", "interference", "overhead"],
+                   help="transfer: GB/s per provider; interference: beside a saturating matmul; "
+                        "overhead: host cost per call")
+    p.add_argument("--gemm-size", type=int, default=8192, help="interference: square bf16 matmul size")
+    p.add_argument("--gemm-seconds", type=float, default=0.05, help="interference: matmul time per measurement")
     p.add_argument("--json", help="write the records to this JSON file")
     p.add_argument("--plot", help="draw GB/s against tokens per call into this PNG (needs matplotlib)")
     p.add_argument("--quiet", action="store_true")
@@ -291,11 +444,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU (the transfers run between GPU memory and pinned host memory)", file=sys.stderr)
         return 2
-    records = run(args)
+    records = {"transfer": run, "interference": interference, "overhead": overhead}[args.mode](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "records": records}, f, indent=1)
-    if args.plot:
+    if args.plot and args.mode == "transfer":
         try:
             plot(records, args.plot)
         except ImportError:

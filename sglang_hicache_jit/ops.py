@@ -30,6 +30,27 @@ DEFAULT_BLOCK_QUOTA = 4
 _METHODS = {"auto": 0, "plain": 1, "bulk": 2}
 METHOD_NAMES = {1: "plain", 2: "bulk"}
 
+# Bulk-copy tuning passed to the kernel; 0 keeps the kernel's measured default.
+# Benchmarks change these through set_tuning(); see docs/kernels.md.
+_tuning = {"bulk_warps": 0, "read_align": 0}
+
+
+def set_tuning(*, bulk_warps: int | None = None, read_align: int | None = None) -> dict:
+    """Experimental: override the bulk kernel's warps per CTA (1-8) and read
+    alignment (16-256 bytes, a power of two); 0 restores the default.
+    Returns the previous settings."""
+    previous = dict(_tuning)
+    if bulk_warps is not None:
+        if not 0 <= bulk_warps <= 8:
+            raise ValueError(f"bulk_warps must be 0 (default) or 1..8, got {bulk_warps}")
+        _tuning["bulk_warps"] = bulk_warps
+    if read_align is not None:
+        if read_align and (read_align < 16 or read_align > 256 or read_align & (read_align - 1)):
+            raise ValueError(f"read_align must be 0 (default) or a power of two in 16..256, got {read_align}")
+        _tuning["read_align"] = read_align
+    return previous
+
+
 _ERROR_WORDS = 4
 _ERROR_MESSAGES = (
     "an index in indices_src was past the end of the source pool",
@@ -254,7 +275,7 @@ def _launch(device: int, indices_dst, indices_src, *, dst_bases, src_bases, dst_
         idx_src, idx_dst, src_bases[0], src_bases[1], dst_bases[0], dst_bases[1],
         src_tables[0], src_tables[1], dst_tables[0], dst_tables[1], num_caches, num_layers,
         src_stride, dst_stride, row_bytes, src_rows, dst_rows, quota, method_code,
-        state.error_flags.data_ptr(),
+        _tuning["bulk_warps"], _tuning["read_align"], state.error_flags.data_ptr(),
     )
     return METHOD_NAMES[method_used]
 

@@ -220,3 +220,27 @@ def test_probe_reports_ok_on_gpu():
     assert result.available, result
     assert result.code == "ok" and result.method in ("bulk", "plain")
     assert probe.probe(6).code == "unsupported_element_size"
+
+
+@pytest.mark.parametrize("tuning", [dict(bulk_warps=2, read_align=128), dict(bulk_warps=4, read_align=32),
+                                    dict(bulk_warps=1, read_align=256)])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("row_bytes", [656, 576, 1152, 256])
+def test_bulk_tuning_variants_stay_exact_at_pool_edges(row_bytes, layout, tuning):
+    """Wider aligned reads must never leave the pool (first and last slots included)."""
+    gen = torch.Generator().manual_seed(row_bytes + len(layout))
+    (host_buf,), (host_layers,) = _host_pool(layout, row_bytes)
+    host_idx, dev_idx = _index_pair(6, torch.int64, gen)
+    host_idx[:2] = torch.tensor([0, HOST_SLOTS - 1])  # the edges of the pool
+    dev_idx[:2] = torch.tensor([0, DEVICE_SLOTS - 1])
+    previous = ops.set_tuning(**tuning)
+    try:
+        for layer in (0, LAYERS - 1):
+            target = _random_bytes((DEVICE_SLOTS, row_bytes), "cuda")
+            expected = _reference_copy(target, dev_idx.cuda(), host_layers[layer].cuda(), host_idx.cuda())
+            assert ops.transfer_one_layer_mla(target, dev_idx, host_layers[layer], host_idx, method="bulk") == "bulk"
+            torch.cuda.synchronize()
+            assert torch.equal(target, expected)
+    finally:
+        ops.set_tuning(**previous)
+    ops.check_errors()
