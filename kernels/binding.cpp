@@ -58,18 +58,16 @@ int64_t transfer(Tensor indices_src, Tensor indices_dst, int64_t src_base0, int6
   t.read_align = static_cast<int32_t>(read_align);
   t.error_flags = reinterpret_cast<uint32_t*>(error_flags);
 
-  torch::stable::accelerator::DeviceGuard guard(device);
   t.method = static_cast<int32_t>(method);
-  const int resolved = hicache_transfer_resolve_method(&t);
-  STD_TORCH_CHECK(resolved > 0, "hicache transfer: ", hicache_error_string(resolved));
-  t.method = resolved;
 
+  torch::stable::accelerator::DeviceGuard guard(device);
   void* stream = nullptr;
   STD_TORCH_CHECK(aoti_torch_get_current_cuda_stream(device, &stream) == AOTI_TORCH_SUCCESS,
                   "hicache transfer: cannot read the current CUDA stream");
-  const int err = hicache_transfer_launch(&t, stream);
+  int method_used = 0;
+  const int err = hicache_transfer_launch(&t, stream, &method_used);
   STD_TORCH_CHECK(err == 0, "hicache transfer: ", hicache_error_string(err));
-  return resolved;
+  return method_used;
 }
 
 }  // namespace

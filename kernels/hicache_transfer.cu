@@ -31,8 +31,15 @@ constexpr int kBulkLanes = 32;       // rows per chunk: one per lane of the warp
 constexpr int kBulkMaxStages = 32;   // one mbarrier per lane at most
 constexpr int kBulkBarrierBytes = 256;  // kBulkMaxStages mbarriers, 8 bytes each, per warp
 constexpr int kBulkMaxWarps = 8;
-constexpr int kDefaultBulkWarps = 1;
-constexpr int kDefaultReadAlign = 16;
+// Defaults measured on an H200 (docs/BENCHMARKS.md): 128-byte aligned reads
+// (656-byte rows: 0.45 -> 0.79 of the link), as many warps as fit two stages
+// of shared memory (256-byte rows: 0.41 -> 0.80 from 2 to 4+ warps), 4 CTAs
+// for the bulk engine and 8 for plain loads and stores, which need more SMs
+// to keep enough requests in flight.
+constexpr int kDefaultReadAlign = 128;
+constexpr int kMinBulkStages = 2;
+constexpr int kDefaultBulkBlocks = 4;
+constexpr int kDefaultPlainBlocks = 8;
 constexpr int64_t kMaxWork = (int64_t{1} << 31) - 1;  // 32-bit work counters
 
 // Exact n / d for 0 <= n < 2^31 and 1 <= d < 2^31 with a multiply and a
@@ -352,7 +359,7 @@ int validate(const HicacheTransfer& t) {
   if (t.row_bytes <= 0 || t.row_bytes % 4 != 0) return kErrInvalid;
   if (t.num_caches < 1 || t.num_caches > 2 || t.num_layers < 1) return kErrInvalid;
   if (t.index_bytes != 4 && t.index_bytes != 8) return kErrInvalid;
-  if (t.num_items < 0 || t.num_blocks < 1) return kErrInvalid;
+  if (t.num_items < 0 || t.num_blocks < 0) return kErrInvalid;
   if (t.indices_src == nullptr || t.indices_dst == nullptr) return kErrInvalid;
   for (int c = 0; c < t.num_caches; ++c) {
     if (t.num_layers > 1 && (t.src_tables[c] == nullptr || t.dst_tables[c] == nullptr)) return kErrInvalid;
@@ -382,19 +389,22 @@ struct BulkShape {
 
 BulkShape bulk_shape(const HicacheTransfer& t, const DeviceInfo& info) {
   BulkShape b;
-  b.warps = t.bulk_warps > 0 ? t.bulk_warps : kDefaultBulkWarps;
   b.align = t.read_align > 0 ? t.read_align : kDefaultReadAlign;
   const int64_t slot = (t.row_bytes + b.align - 16 + b.align - 1) / b.align * b.align;
   b.slot_bytes = static_cast<uint32_t>(slot);
-  const int64_t per_stage = int64_t{kBulkLanes} * slot * b.warps;
-  const int64_t stages = (info.max_smem_optin - int64_t{kBulkBarrierBytes} * b.warps) / per_stage;
+  const int64_t per_warp_stage = int64_t{kBulkLanes} * slot + kBulkBarrierBytes / kMinBulkStages;
+  const int64_t fit = info.max_smem_optin / (per_warp_stage * kMinBulkStages);
+  const int64_t warps = t.bulk_warps > 0 ? t.bulk_warps : (fit < 1 ? 1 : (fit > kBulkMaxWarps ? kBulkMaxWarps : fit));
+  b.warps = static_cast<uint32_t>(warps);
+  const int64_t per_stage = int64_t{kBulkLanes} * slot * warps;
+  const int64_t stages = (info.max_smem_optin - int64_t{kBulkBarrierBytes} * warps) / per_stage;
   b.stages = static_cast<uint32_t>(stages < 0 ? 0 : (stages < kBulkMaxStages ? stages : kBulkMaxStages));
-  b.smem = size_t{kBulkBarrierBytes} * b.warps + size_t{b.stages} * per_stage;
+  b.smem = size_t{kBulkBarrierBytes} * warps + size_t{b.stages} * per_stage;
   return b;
 }
 
 int resolve_method(const HicacheTransfer& t, const DeviceInfo& info) {
-  const bool bulk_ok = info.bulk_capable && vector_width(t) == 16 && bulk_shape(t, info).stages >= 2;
+  const bool bulk_ok = info.bulk_capable && vector_width(t) == 16 && bulk_shape(t, info).stages >= kMinBulkStages;
   if (t.method == HICACHE_METHOD_BULK || t.method == HICACHE_METHOD_AUTO) {
     return bulk_ok ? HICACHE_METHOD_BULK : HICACHE_METHOD_PLAIN;
   }
@@ -411,8 +421,7 @@ void launch_plain(const KernelParams& p, int vec, int blocks, cudaStream_t strea
 }
 
 template <typename Index>
-int launch(const HicacheTransfer& t, const DeviceInfo& info, cudaStream_t stream) {
-  const int method = resolve_method(t, info);
+int launch(const HicacheTransfer& t, const DeviceInfo& info, int method, cudaStream_t stream) {
   const int vec = method == HICACHE_METHOD_BULK ? 16 : vector_width(t);
   const uint32_t planes = static_cast<uint32_t>(t.num_caches * t.num_layers);
   const uint32_t vecs_per_row = static_cast<uint32_t>(t.row_bytes / vec);
@@ -440,12 +449,14 @@ int launch(const HicacheTransfer& t, const DeviceInfo& info, cudaStream_t stream
       const int64_t chunks = (p.num_rows + kBulkLanes - 1) / kBulkLanes;
       const int64_t per_block = bulk.warps;
       const int64_t needed = (chunks + per_block - 1) / per_block;
-      const int blocks = static_cast<int>(needed < t.num_blocks ? needed : t.num_blocks);
+      const int64_t quota = t.num_blocks > 0 ? t.num_blocks : kDefaultBulkBlocks;
+      const int blocks = static_cast<int>(needed < quota ? needed : quota);
       copy_rows_bulk<Index><<<blocks, kBulkLanes * bulk.warps, bulk.smem, stream>>>(p);
     } else {
       const int64_t per_block = int64_t{kPlainThreads} * kPlainUnroll;
       const int64_t needed = (p.total_vecs + per_block - 1) / per_block;
-      const int blocks = static_cast<int>(needed < t.num_blocks ? needed : t.num_blocks);
+      const int64_t quota = t.num_blocks > 0 ? t.num_blocks : kDefaultPlainBlocks;
+      const int blocks = static_cast<int>(needed < quota ? needed : quota);
       launch_plain<Index>(p, vec, blocks, stream);
     }
     const cudaError_t err = cudaGetLastError();
@@ -456,26 +467,18 @@ int launch(const HicacheTransfer& t, const DeviceInfo& info, cudaStream_t stream
 
 }  // namespace
 
-extern "C" int hicache_transfer_resolve_method(const HicacheTransfer* t) {
+extern "C" int hicache_transfer_launch(const HicacheTransfer* t, void* stream, int* method_used) {
   if (t == nullptr) return kErrInvalid;
   if (const int err = validate(*t)) return err;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return kErrDevice;
-  DeviceInfo* info = nullptr;
-  if (const int err = device_info(device, &info)) return err;
-  return resolve_method(*t, *info);
-}
-
-extern "C" int hicache_transfer_launch(const HicacheTransfer* t, void* stream) {
-  if (t == nullptr) return kErrInvalid;
-  if (const int err = validate(*t)) return err;
-  if (t->num_items == 0) return 0;
   int device = 0;
   if (const cudaError_t err = cudaGetDevice(&device)) return err;
   DeviceInfo* info = nullptr;
   if (const int err = device_info(device, &info)) return err;
+  const int method = resolve_method(*t, *info);
+  if (method_used != nullptr) *method_used = method;
+  if (t->num_items == 0) return 0;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return t->index_bytes == 4 ? launch<int32_t>(*t, *info, s) : launch<int64_t>(*t, *info, s);
+  return t->index_bytes == 4 ? launch<int32_t>(*t, *info, method, s) : launch<int64_t>(*t, *info, method, s);
 }
 
 extern "C" const char* hicache_error_string(int code) {

@@ -42,7 +42,7 @@ typedef struct HicacheTransfer {
   int64_t src_rows;    // slot count of the source pool, or -1 when unknown
   int64_t dst_rows;
 
-  int32_t num_blocks;  // SM budget: CTAs to launch (>= 1)
+  int32_t num_blocks;  // SM budget: CTAs to launch; 0 picks the measured default
   int32_t method;      // HICACHE_METHOD_*
   // Bulk-method tuning; 0 picks the measured default.
   int32_t bulk_warps;  // warps per CTA, each with its own pipeline (1..8)
@@ -68,14 +68,11 @@ enum {
   HICACHE_ERROR_WORDS = 4,
 };
 
-// Launches the copy on `stream` (a cudaStream_t) of the current device.
-// Returns 0 on success, else a cudaError_t value (see hicache_error_string)
-// or a negative value for invalid arguments.
-int hicache_transfer_launch(const HicacheTransfer* transfer, void* stream);
-
-// The method the launcher would use for `transfer` on the current device
-// (HICACHE_METHOD_PLAIN or HICACHE_METHOD_BULK), or a negative error.
-int hicache_transfer_resolve_method(const HicacheTransfer* transfer);
+// Launches the copy on `stream` (a cudaStream_t) of the current device and
+// stores the method it chose (HICACHE_METHOD_PLAIN or _BULK) in *method_used
+// (may be NULL). Returns 0 on success, else a cudaError_t value (see
+// hicache_error_string) or a negative value for invalid arguments.
+int hicache_transfer_launch(const HicacheTransfer* transfer, void* stream, int* method_used);
 
 // A readable message for a value returned by hicache_transfer_launch.
 const char* hicache_error_string(int code);

@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_info)
 
+    # 'bench' is dispatched in main() straight to benchmark.py's own parser; listed here for --help.
+    sub.add_parser("bench", help="benchmark the transfers on this GPU (`bench --help` for its options)")
+
     p = sub.add_parser("clean", help="remove cache entries (or only failed-build records)")
     p.add_argument("--failed", action="store_true", help="only forget failed builds, so they are retried")
     p.set_defaults(func=cmd_clean)
@@ -199,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # everything after 'bench' belongs to the benchmark's own parser
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        from .benchmark import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s",
                         stream=sys.stderr)

@@ -20,13 +20,16 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+import weakref
 
 import torch
 
 from . import settings
 from .errors import ArchUnsupportedError, TransferIndexError
 
-DEFAULT_BLOCK_QUOTA = 4
+# block_quota=None lets the kernel pick its measured default: 4 CTAs for the
+# bulk engine (host -> GPU), 8 for plain loads and stores (GPU -> host).
+DEFAULT_BLOCK_QUOTA = {"bulk": 4, "plain": 8}
 _METHODS = {"auto": 0, "plain": 1, "bulk": 2}
 METHOD_NAMES = {1: "plain", 2: "bulk"}
 
@@ -51,12 +54,14 @@ def set_tuning(*, bulk_warps: int | None = None, read_align: int | None = None) 
     return previous
 
 
-_ERROR_WORDS = 4
-_ERROR_MESSAGES = (
-    "an index in indices_src was past the end of the source pool",
-    "an index in indices_dst was past the end of the destination pool",
-    "a row address was not 4-byte aligned",
-)
+# Environment settings, read once: os.environ costs a microsecond per look-up
+# on a path that must stay cheap. reload_settings() re-reads them.
+_settings: dict = {}
+
+
+def reload_settings() -> None:
+    """Re-reads SGLANG_HICACHE_JIT_STRICT and SGLANG_HICACHE_JIT_METHOD."""
+    _settings.update(strict=settings.strict(), method=settings.method())
 
 
 class _DeviceState:
@@ -77,7 +82,8 @@ class _DeviceState:
                 f"include {major}.{minor} in {settings.ARCH} (or TORCH_CUDA_ARCH_LIST), or unset it.",
             )
         self.error_flags = torch.zeros(_ERROR_WORDS, dtype=torch.int32, pin_memory=True)
-        self.error_view = (ctypes.c_uint32 * _ERROR_WORDS).from_address(self.error_flags.data_ptr())
+        self.error_flags_ptr = self.error_flags.data_ptr()
+        self.error_view = (ctypes.c_uint32 * _ERROR_WORDS).from_address(self.error_flags_ptr)
         self.transfer = self.library.ops.transfer
 
 
@@ -180,6 +186,24 @@ class _Side:
             raise ValueError(f"{name} has overlapping rows (slot stride {self.stride} bytes < row {self.row_bytes} bytes)")
 
 
+# Validated sides by tensor identity. Pools pass the same tensors on every
+# call; a hit costs a few attribute reads instead of a full validation. A
+# live tensor keeps its storage alive, so a hit cannot see freed memory.
+_side_cache: dict = {}
+
+
+def _side(name: str, t, element_dim: int | None, written: bool) -> _Side:
+    entry = _side_cache.get(id(t))
+    if (entry is not None and entry[0]() is t and entry[1] == (element_dim, written)
+            and entry[2] == (t.data_ptr(), t.shape, t.stride())):
+        return entry[3]
+    side = _Side(name, t, element_dim, written=written)
+    if len(_side_cache) >= 512:
+        _side_cache.clear()
+    _side_cache[id(t)] = (weakref.ref(t), (element_dim, written), (t.data_ptr(), t.shape, t.stride()), side)
+    return side
+
+
 def _check_pair(dst: _Side, src: _Side, dst_name: str, src_name: str) -> None:
     if dst.dtype != src.dtype:
         raise ValueError(f"{dst_name} has dtype {dst.dtype} but {src_name} has {src.dtype}; they must match")
@@ -191,12 +215,12 @@ def _check_pair(dst: _Side, src: _Side, dst_name: str, src_name: str) -> None:
         raise ValueError(f"rows of {dst_name} are {dst.row_bytes} bytes; the row size must be a multiple of 4 bytes")
 
 
-def _device_of(*sides: _Side) -> int:
+def _device_of(*sides) -> int:
     devices = {s.device for s in sides if s.device is not None}
     if not devices:
-        raise ValueError("both caches are in host memory; one side of a transfer must be a CUDA tensor")
+        raise ValueError("both caches are in host memory; one side of a transfer must be on the GPU")
     if len(devices) > 1:
-        raise ValueError(f"the CUDA caches are on different devices ({sorted(devices)}); use one device")
+        raise ValueError(f"the GPU sides are on different devices ({sorted(devices)}); use one device")
     return devices.pop()
 
 
@@ -214,68 +238,80 @@ def _check_indices(name: str, idx, device: int) -> None:
         raise ValueError(f"{name} must be on the CPU or on cuda:{device}, got {idx.device}")
 
 
-def _check_index_pair(indices_dst, indices_src, device: int) -> None:
-    _check_indices("indices_dst", indices_dst, device)
-    _check_indices("indices_src", indices_src, device)
-    if indices_dst.shape[0] != indices_src.shape[0]:
-        raise ValueError(
-            f"indices_dst has {indices_dst.shape[0]} entries but indices_src has {indices_src.shape[0]}; "
-            "they must have the same length"
-        )
-
-
-def _on_device(idx: torch.Tensor, device: int) -> torch.Tensor:
-    if idx.is_cuda:
-        return idx if idx.is_contiguous() else idx.contiguous()
-    # Pinned staging makes the copy asynchronous: a pageable source would make
-    # cudaMemcpyAsync wait for the stream.
-    if not idx.is_pinned():
-        idx = idx.pin_memory()
-    return idx.to(torch.device("cuda", device), non_blocking=True)
-
-
 def _check_range(name: str, idx: torch.Tensor, rows: int) -> None:
-    if idx.numel() and int(idx.max()) >= rows:
+    if rows >= 0 and idx.numel() and int(idx.max()) >= rows:
         raise TransferIndexError(f"{name} holds index {int(idx.max())}, but its pool has only {rows} slots")
 
 
-def _block_quota(block_quota) -> int:
+def _gpu_indices(indices_dst, indices_src, device: int, dst_rows: int, src_rows: int):
+    """Both index tensors on ``device`` with one dtype, after validation (and,
+    in strict mode, a range check: on the host for CPU indices, else with a sync)."""
+    _check_indices("indices_dst", indices_dst, device)
+    _check_indices("indices_src", indices_src, device)
+    if indices_dst.shape[0] != indices_src.shape[0]:
+        raise ValueError(f"indices_dst has {indices_dst.shape[0]} entries but indices_src has "
+                         f"{indices_src.shape[0]}; they must have the same length")
+    if indices_dst.dtype != indices_src.dtype:  # the kernel reads both with one index type
+        indices_dst, indices_src = indices_dst.long(), indices_src.long()
+    strict = _settings["strict"]
+    if not indices_dst.is_cuda and not indices_src.is_cuda:
+        if strict:
+            _check_range("indices_dst", indices_dst, dst_rows)
+            _check_range("indices_src", indices_src, src_rows)
+        # One pinned staging copy for both: pinned memory makes the upload
+        # asynchronous (a pageable source would make cudaMemcpyAsync wait).
+        pair = torch.stack((indices_dst, indices_src)).pin_memory()
+        pair = pair.to(torch.device("cuda", device), non_blocking=True)
+        return pair[0], pair[1]
+    dst, src = (_upload(i, device) for i in (indices_dst, indices_src))
+    if strict:
+        _check_range("indices_dst", dst, dst_rows)
+        _check_range("indices_src", src, src_rows)
+    return dst, src
+
+
+def _upload(idx: torch.Tensor, device: int) -> torch.Tensor:
+    if idx.is_cuda:
+        return idx if idx.is_contiguous() else idx.contiguous()
+    return idx.pin_memory().to(torch.device("cuda", device), non_blocking=True)
+
+
+def _quota(block_quota) -> int:
     if block_quota is None:
-        return DEFAULT_BLOCK_QUOTA
+        return 0  # the kernel's default for the method it picks
     if isinstance(block_quota, bool) or not isinstance(block_quota, int) or block_quota < 1:
         raise ValueError(f"block_quota must be a positive int (CTAs to launch), got {block_quota!r}")
     return block_quota
 
 
-def _method(method) -> int:
-    name = settings.method() if method is None else method
+def _method_code(method, to_device: bool) -> int:
+    """Measured policy for 'auto': the bulk engine for host -> GPU (plain loads
+    from host memory stall a few SMs), plain loads/stores otherwise (they
+    keep scattered host writes fast where bulk stores do not)."""
+    name = _settings["method"] if method is None else method
+    if name == "auto":
+        return _METHODS["auto"] if to_device else _METHODS["plain"]
     try:
         return _METHODS[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ValueError(f"method must be one of {', '.join(_METHODS)}, got {method!r}") from None
 
 
 def _launch(device: int, indices_dst, indices_src, *, dst_bases, src_bases, dst_tables, src_tables,
             num_layers: int, dst_stride: int, src_stride: int, row_bytes: int, dst_rows: int, src_rows: int,
-            block_quota, method) -> str:
-    _check_index_pair(indices_dst, indices_src, device)
-    quota, method_code = _block_quota(block_quota), _method(method)
+            to_device: bool, block_quota, method) -> str:
+    if not _settings:
+        reload_settings()
+    quota, method_code = _quota(block_quota), _method_code(method, to_device)
     state = _state(device)
     _raise_reported(state)
-    idx_dst, idx_src = _on_device(indices_dst, device), _on_device(indices_src, device)
-    if idx_dst.dtype != idx_src.dtype:  # the kernel reads both with one index type
-        idx_dst, idx_src = idx_dst.long(), idx_src.long()
-    if settings.strict():
-        if src_rows >= 0:
-            _check_range("indices_src", idx_src, src_rows)
-        if dst_rows >= 0:
-            _check_range("indices_dst", idx_dst, dst_rows)
+    idx_dst, idx_src = _gpu_indices(indices_dst, indices_src, device, dst_rows, src_rows)
     num_caches = 2 if (dst_bases[1] or dst_tables[1]) else 1
     method_used = state.transfer(
         idx_src, idx_dst, src_bases[0], src_bases[1], dst_bases[0], dst_bases[1],
         src_tables[0], src_tables[1], dst_tables[0], dst_tables[1], num_caches, num_layers,
         src_stride, dst_stride, row_bytes, src_rows, dst_rows, quota, method_code,
-        _tuning["bulk_warps"], _tuning["read_align"], state.error_flags.data_ptr(),
+        _tuning["bulk_warps"], _tuning["read_align"], state.error_flags_ptr,
     )
     return METHOD_NAMES[method_used]
 
@@ -285,25 +321,28 @@ def transfer_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *, el
     """Copies rows of one layer's MLA cache: ``cache_dst[indices_dst[i]] = cache_src[indices_src[i]]``.
 
     ``element_dim`` views flat caches as rows of that many elements;
-    ``block_quota`` is the number of CTAs (SMs) to use; ``method`` is 'auto',
-    'plain' or 'bulk' (default: $SGLANG_HICACHE_JIT_METHOD or 'auto').
+    ``block_quota`` is the number of CTAs (SMs) to use (None: the measured
+    default for the method); ``method`` is 'auto', 'plain' or 'bulk'
+    (default: $SGLANG_HICACHE_JIT_METHOD, else 'auto').
     Returns the copy method that ran ('bulk' or 'plain').
     """
-    dst = _Side("cache_dst", cache_dst, element_dim, written=True)
-    src = _Side("cache_src", cache_src, element_dim, written=False)
+    dst = _side("cache_dst", cache_dst, element_dim, True)
+    src = _side("cache_src", cache_src, element_dim, False)
     _check_pair(dst, src, "cache_dst", "cache_src")
     device = _device_of(dst, src)
     return _launch(device, indices_dst, indices_src, dst_bases=(dst.ptr, 0), src_bases=(src.ptr, 0),
-            dst_tables=(0, 0), src_tables=(0, 0), num_layers=1, dst_stride=dst.stride, src_stride=src.stride,
-            row_bytes=dst.row_bytes, dst_rows=dst.rows, src_rows=src.rows, block_quota=block_quota, method=method)
+                   dst_tables=(0, 0), src_tables=(0, 0), num_layers=1, dst_stride=dst.stride,
+                   src_stride=src.stride, row_bytes=dst.row_bytes, dst_rows=dst.rows, src_rows=src.rows,
+                   to_device=src.device is None, block_quota=block_quota, method=method)
 
 
 def transfer_one_layer(k_dst, v_dst, indices_dst, k_src, v_src, indices_src, *, element_dim=None,
                        block_quota=None, method=None) -> str:
     """Copies rows of one layer's K and V caches in one launch (same indices for both)."""
-    sides = [_Side(n, t, element_dim, written=n.endswith("dst")) for n, t in
-             (("k_dst", k_dst), ("v_dst", v_dst), ("k_src", k_src), ("v_src", v_src))]
-    kd, vd, ks, vs = sides
+    kd = _side("k_dst", k_dst, element_dim, True)
+    vd = _side("v_dst", v_dst, element_dim, True)
+    ks = _side("k_src", k_src, element_dim, False)
+    vs = _side("v_src", v_src, element_dim, False)
     _check_pair(kd, ks, "k_dst", "k_src")
     _check_pair(vd, vs, "v_dst", "v_src")
     _check_pair(vd, kd, "v_dst", "k_dst")
@@ -313,10 +352,11 @@ def transfer_one_layer(k_dst, v_dst, indices_dst, k_src, v_src, indices_src, *, 
                              f"(got {a.rows}x{a.stride} B and {b.rows}x{b.stride} B)")
         if (a.device is None) != (b.device is None):
             raise ValueError(f"{an} and {bn} must both be on the GPU or both in host memory")
-    device = _device_of(*sides)
+    device = _device_of(kd, vd, ks, vs)
     return _launch(device, indices_dst, indices_src, dst_bases=(kd.ptr, vd.ptr), src_bases=(ks.ptr, vs.ptr),
-            dst_tables=(0, 0), src_tables=(0, 0), num_layers=1, dst_stride=kd.stride, src_stride=ks.stride,
-            row_bytes=kd.row_bytes, dst_rows=kd.rows, src_rows=ks.rows, block_quota=block_quota, method=method)
+                   dst_tables=(0, 0), src_tables=(0, 0), num_layers=1, dst_stride=kd.stride,
+                   src_stride=ks.stride, row_bytes=kd.row_bytes, dst_rows=kd.rows, src_rows=ks.rows,
+                   to_device=ks.device is None, block_quota=block_quota, method=method)
 
 
 class LayerTable:
@@ -395,4 +435,55 @@ def transfer_all_layer(tables_dst, indices_dst, tables_src, indices_src, *, bloc
     return _launch(device, indices_dst, indices_src, dst_bases=(0, 0), src_bases=(0, 0),
                    dst_tables=dst.tables(device), src_tables=src.tables(device), num_layers=dst.num_layers,
                    dst_stride=dst.stride, src_stride=src.stride, row_bytes=dst.row_bytes, dst_rows=dst.rows,
-                   src_rows=src.rows, block_quota=block_quota, method=method)
+                   src_rows=src.rows, to_device=src.device is None, block_quota=block_quota, method=method)
+
+
+def _pointer_table(name: str, table, device: int | None) -> torch.Tensor:
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of uint64 addresses, got {type(table).__name__}")
+    if table.dtype not in (torch.uint64, torch.int64) or table.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D uint64 tensor (one address per layer), got {table.dtype} "
+                         f"with shape {tuple(table.shape)}")
+    if not table.is_cuda:
+        raise ValueError(f"{name} must be on the GPU (the kernel reads it), got {table.device}")
+    if device is not None and table.device.index != device:
+        raise ValueError(f"{name} is on {table.device} but the other tables are on cuda:{device}")
+    return table if table.is_contiguous() else table.contiguous()
+
+
+def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *, dst_stride_bytes: int,
+                            src_stride_bytes: int, element_size: int, block_quota=None, method=None) -> str:
+    """All-layer copy from raw per-layer address tables (what SGLang's pools keep).
+
+    ``tables_dst`` / ``tables_src`` are ``(k_table, v_table)`` pairs or a
+    single table for MLA: 1-D uint64 CUDA tensors with one row-0 address per
+    layer. The kernel cannot know the pools' sizes here, so index ranges are
+    not checked: pass valid indices (or use LayerTable, which checks). Nor
+    does it know which side is host memory, so 'auto' means plain loads and
+    stores, which are fast in both directions (the bulk engine wins only for
+    host -> GPU; ask for method='bulk' there).
+    """
+    dst = tables_dst if isinstance(tables_dst, tuple) else (tables_dst,)
+    src = tables_src if isinstance(tables_src, tuple) else (tables_src,)
+    if len(dst) != len(src) or len(dst) not in (1, 2):
+        raise ValueError("pass one table per cache on both sides: (k, v) for MHA or one table for MLA")
+    first = _pointer_table("tables_dst", dst[0], None)
+    device = first.device.index
+    dst = [first] + [_pointer_table("tables_dst", t, device) for t in dst[1:]]
+    src = [_pointer_table("tables_src", t, device) for t in src]
+    layers = {t.numel() for t in dst + src}
+    if len(layers) != 1:
+        raise ValueError(f"every pointer table must have the same number of layers, got {sorted(layers)}")
+    for name, value in (("element_size", element_size), ("dst_stride_bytes", dst_stride_bytes),
+                        ("src_stride_bytes", src_stride_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % 4:
+            raise ValueError(f"{name} must be a non-negative multiple of 4 bytes, got {value!r}")
+    if element_size == 0:
+        raise ValueError("element_size must be positive")
+    pad = [0, 0]
+    dst_ptrs = [t.data_ptr() for t in dst] + pad[len(dst):]
+    src_ptrs = [t.data_ptr() for t in src] + pad[len(src):]
+    return _launch(device, indices_dst, indices_src, dst_bases=(0, 0), src_bases=(0, 0),
+                   dst_tables=tuple(dst_ptrs[:2]), src_tables=tuple(src_ptrs[:2]), num_layers=layers.pop(),
+                   dst_stride=dst_stride_bytes, src_stride=src_stride_bytes, row_bytes=element_size,
+                   dst_rows=-1, src_rows=-1, to_device=False, block_quota=block_quota, method=method)

@@ -180,14 +180,21 @@ def test_out_of_range_index_is_skipped_and_reported(side, method):
     ops.check_errors()  # cleared after raising
 
 
-def test_strict_mode_raises_before_launch(monkeypatch):
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+def test_strict_mode_raises_before_launch(monkeypatch, where):
     monkeypatch.setenv("SGLANG_HICACHE_JIT_STRICT", "1")
-    dev = _random_bytes((DEVICE_SLOTS, 64), "cuda")
-    host = torch.zeros((HOST_SLOTS, 64), dtype=torch.uint8, pin_memory=True)
-    with pytest.raises(TransferIndexError, match="indices_dst"):
-        ops.transfer_one_layer_mla(host, torch.tensor([HOST_SLOTS]), dev, torch.tensor([0]))
-    torch.cuda.synchronize()
-    assert int(host.count_nonzero()) == 0
+    ops.reload_settings()
+    try:
+        dev = _random_bytes((DEVICE_SLOTS, 64), "cuda")
+        host = torch.zeros((HOST_SLOTS, 64), dtype=torch.uint8, pin_memory=True)
+        with pytest.raises(TransferIndexError, match="indices_dst"):
+            ops.transfer_one_layer_mla(host, torch.tensor([HOST_SLOTS], device=where), dev,
+                                       torch.tensor([0], device=where))
+        torch.cuda.synchronize()
+        assert int(host.count_nonzero()) == 0
+    finally:
+        monkeypatch.delenv("SGLANG_HICACHE_JIT_STRICT")
+        ops.reload_settings()
 
 
 def test_runs_on_the_current_stream():
@@ -230,9 +237,9 @@ def test_bulk_tuning_variants_stay_exact_at_pool_edges(row_bytes, layout, tuning
     """Wider aligned reads must never leave the pool (first and last slots included)."""
     gen = torch.Generator().manual_seed(row_bytes + len(layout))
     (host_buf,), (host_layers,) = _host_pool(layout, row_bytes)
-    host_idx, dev_idx = _index_pair(6, torch.int64, gen)
+    host_idx, _ = _index_pair(6, torch.int64, gen)
     host_idx[:2] = torch.tensor([0, HOST_SLOTS - 1])  # the edges of the pool
-    dev_idx[:2] = torch.tensor([0, DEVICE_SLOTS - 1])
+    dev_idx = torch.randperm(DEVICE_SLOTS, generator=gen)[: host_idx.numel()]  # unique: no write races
     previous = ops.set_tuning(**tuning)
     try:
         for layer in (0, LAYERS - 1):

@@ -1,0 +1,94 @@
+"""The SGLang-compatible API: signatures (CPU) and upstream-style use (GPU)."""
+
+import inspect
+
+import pytest
+import torch
+
+from sglang_hicache_jit import compat
+
+KW = inspect.Parameter.KEYWORD_ONLY
+POS = inspect.Parameter.POSITIONAL_OR_KEYWORD
+
+# Argument names and kinds of sglang.kernels.ops.kvcache.hicache in SGLang 0.5.x
+# (plus page_size, accepted and ignored).
+UPSTREAM = {
+    "transfer_hicache_one_layer": (
+        ["k_cache_dst", "v_cache_dst", "indices_dst", "k_cache_src", "v_cache_src", "indices_src"],
+        ["element_dim", "unroll", "block_quota", "page_size"]),
+    "transfer_hicache_one_layer_mla": (
+        ["cache_dst", "indices_dst", "cache_src", "indices_src"],
+        ["element_dim", "unroll", "block_quota", "page_size"]),
+    "transfer_hicache_all_layer": (
+        ["k_ptr_dst", "v_ptr_dst", "indices_dst", "k_ptr_src", "v_ptr_src", "indices_src"],
+        ["kv_cache_src_stride_bytes", "kv_cache_dst_stride_bytes", "element_size", "unroll", "block_quota",
+         "page_size"]),
+    "transfer_hicache_all_layer_mla": (
+        ["ptr_dst", "indices_dst", "ptr_src", "indices_src"],
+        ["cache_src_stride_bytes", "cache_dst_stride_bytes", "element_size", "unroll", "block_quota", "page_size"]),
+    "can_use_hicache_jit_kernel": ([], ["element_size", "unroll", "block_quota", "staged"]),
+}
+REQUIRED_KW = {"kv_cache_src_stride_bytes", "kv_cache_dst_stride_bytes", "cache_src_stride_bytes",
+               "cache_dst_stride_bytes", "element_size"}
+
+
+@pytest.mark.parametrize("name", sorted(UPSTREAM))
+def test_signature_matches_upstream(name):
+    positional, keyword = UPSTREAM[name]
+    params = inspect.signature(getattr(compat, name)).parameters
+    assert [p for p, v in params.items() if v.kind == POS] == positional
+    assert [p for p, v in params.items() if v.kind == KW] == keyword
+    for p in keyword:
+        required = params[p].default is inspect.Parameter.empty
+        assert required == (p in REQUIRED_KW and not (name.startswith("transfer") and p == "element_size")), p
+
+
+def test_can_use_never_raises_and_says_no_for_bad_rows():
+    assert compat.can_use_hicache_jit_kernel(element_size=6) is False
+    assert isinstance(compat.can_use_hicache_jit_kernel(element_size=576), bool)
+
+
+def test_all_layer_needs_element_size_when_strides_differ():
+    with pytest.raises(ValueError, match="element_size is required"):
+        compat.transfer_hicache_all_layer_mla(None, None, None, None, cache_src_stride_bytes=1152,
+                                              cache_dst_stride_bytes=9216)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("element_dim", [1024, 288, 328, 64])  # bytes: 2048, 576, 656, 128 (fp16)
+def test_upstream_style_round_trip(element_dim, index_dtype):
+    """Mirrors SGLang's own test: sliced rows narrower than the stride, pointer tables, both directions."""
+    layers, size = 4, 8192
+    cuda_kv = torch.randn((2, layers, size, 1024), dtype=torch.float16, device="cuda")
+    host_kv = torch.zeros((2, layers, 2 * size, 1024), dtype=torch.float16, pin_memory=True)
+    cuda_view, host_view = cuda_kv[:, :, :, :element_dim], host_kv[:, :, :, :element_dim]
+    stride_bytes = cuda_kv.stride(-2) * cuda_kv.element_size()
+    src_idx = torch.randperm(size, device="cuda")[:777].sort().values.to(index_dtype)
+    dst_idx = torch.randperm(2 * size, device="cuda")[:777].sort().values.to(index_dtype)
+
+    compat.transfer_hicache_one_layer(host_view[0, 1], host_view[1, 1], dst_idx, cuda_view[0, 1], cuda_view[1, 1],
+                                      src_idx)
+    torch.cuda.synchronize()
+    assert torch.equal(host_kv[:, 1, dst_idx.long().cpu(), :element_dim], cuda_kv[:, 1, src_idx.long(), :element_dim].cpu())
+    assert int(host_kv[:, 1, :, element_dim:].count_nonzero()) == 0  # bytes past the row untouched
+
+    table = lambda t, kv: torch.tensor([t[kv, l].data_ptr() for l in range(layers)], dtype=torch.uint64,  # noqa: E731
+                                       device="cuda")
+    back = torch.zeros_like(cuda_kv)
+    compat.transfer_hicache_all_layer(table(back, 0), table(back, 1), src_idx, table(host_kv, 0), table(host_kv, 1),
+                                      dst_idx, kv_cache_src_stride_bytes=stride_bytes,
+                                      kv_cache_dst_stride_bytes=stride_bytes, element_size=element_dim * 2)
+    torch.cuda.synchronize()
+    assert torch.equal(back[:, 1, src_idx.long(), :element_dim], cuda_kv[:, 1, src_idx.long(), :element_dim])
+    assert torch.equal(back[:, 0], torch.zeros_like(back[:, 0]))  # layer 0 of host_kv was still zero
+
+    mla = torch.zeros((layers, 2 * size, element_dim), dtype=torch.float16, pin_memory=True)
+    compat.transfer_hicache_one_layer_mla(mla[2], dst_idx, cuda_kv[0, 2, :, :element_dim], src_idx,
+                                          element_dim=element_dim)
+    compat.transfer_hicache_all_layer_mla(
+        torch.tensor([mla[l].data_ptr() for l in range(layers)], dtype=torch.uint64, device="cuda"), dst_idx,
+        table(cuda_kv, 0), src_idx, cache_src_stride_bytes=stride_bytes, cache_dst_stride_bytes=element_dim * 2,
+        element_size=element_dim * 2)
+    torch.cuda.synchronize()
+    assert torch.equal(mla[3, dst_idx.long().cpu()], cuda_kv[0, 3, src_idx.long(), :element_dim].cpu())
