@@ -1,0 +1,481 @@
+"""The direct path: row copies done by the GPU's copy engines, no kernels, no JIT.
+
+Every transfer is a list of ``(dst, src)`` row tensors (one pair per layer and
+cache) plus one pair of index lists shared by all of them, as in ops.py:
+row ``src[indices_src[i]]`` goes to ``dst[indices_dst[i]]``; a negative index
+on either side skips its pair. The flow:
+
+1. indices -> CPU int64 (GPU indices are copied back, which synchronizes the
+   host with the GPU; upstream's ``transfer_kv_direct`` does the same);
+2. ``find_runs``: maximal runs where both sides advance by one slot;
+3. ``describe_copies``: one copy per run and pair. Rows of a run sit at a
+   fixed stride on each side, so a run is one 2-D copy (width = row bytes,
+   pitch = slot stride, height = run length); when both strides equal the row
+   size it is one flat copy of ``length * row`` bytes;
+4. execution: CUDA tensors -> every copy of the transfer in one
+   ``cudaMemcpy3DBatchAsync`` call (CUDA 12.8+), or one ``cudaMemcpy2DAsync``
+   per copy where the batch call is missing; CPU tensors (no GPU) -> one
+   tensor slice copy per run, so CI runs the same plan.
+
+The CUDA runtime is the ``libcudart`` torch already loaded, called through
+ctypes on the current stream of the tensors' device. Steps 1-3 are pure
+functions, testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import sys
+import threading
+
+import torch
+
+from .errors import TransferIndexError
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "batch", "2d")
+# Copies per cudaMemcpy3DBatchAsync call. The API documents no limit; chunking
+# bounds the descriptor array (112 B per copy) and keeps one call's CPU time short.
+MAX_BATCH_OPS = 8192
+_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (UVA)
+_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read the source in stream order
+_OPERAND_TYPE_POINTER = 1  # cudaMemcpyOperandTypePointer
+
+
+# ---------------------------------------------------------------------------
+# Rows and pairs: what one side of a copy is, validated once.
+
+class Rows:
+    """A tensor seen as slots of one contiguous row each: first dimension the
+    slot, the remaining dimensions dense (per-layer views of a ``page_first``
+    buffer qualify: their slot stride is larger than the row)."""
+
+    __slots__ = ("tensor", "ptr", "stride", "row_bytes", "rows", "device", "dtype")
+
+    def __init__(self, tensor, name: str = "cache"):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() < 2:
+            raise ValueError(f"{name} must have a slot dimension and a row (at least 2-D), got shape "
+                             f"{tuple(tensor.shape)}")
+        expected = 1
+        for size, stride in zip(reversed(tensor.shape[1:]), reversed(tensor.stride()[1:])):
+            if size != 1 and stride != expected:
+                raise ValueError(f"{name} must have contiguous rows (all dimensions after the first dense); got "
+                                 f"shape {tuple(tensor.shape)} with strides {tensor.stride()}")
+            expected *= size
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} must be a CPU or CUDA tensor, got device {tensor.device}")
+        itemsize = tensor.element_size()
+        self.tensor = tensor
+        self.ptr = tensor.data_ptr()
+        self.stride = tensor.stride(0) * itemsize
+        self.row_bytes = expected * itemsize
+        self.rows = tensor.shape[0]
+        self.device = tensor.device.index if tensor.is_cuda else None
+        self.dtype = tensor.dtype
+        if self.rows > 1 and self.stride < self.row_bytes:
+            raise ValueError(f"{name} has overlapping rows (slot stride {self.stride} B < row {self.row_bytes} B)")
+
+
+class Pairs:
+    """The (dst, src) row pairs of one transfer, validated once and reused.
+
+    All pairs share one index list per side. Pools build a Pairs per layer
+    (loads) and one over all layers (backups) at construction.
+    """
+
+    def __init__(self, pairs):
+        pairs = list(pairs)
+        if not pairs:
+            raise ValueError("pairs must hold at least one (dst, src) pair")
+        self.dst, self.src = [], []
+        for i, pair in enumerate(pairs):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(f"pairs[{i}] must be a (dst, src) pair of tensors")
+            dst = pair[0] if isinstance(pair[0], Rows) else Rows(pair[0], f"pairs[{i}] dst")
+            src = pair[1] if isinstance(pair[1], Rows) else Rows(pair[1], f"pairs[{i}] src")
+            if dst.dtype != src.dtype or dst.row_bytes != src.row_bytes:
+                raise ValueError(f"pairs[{i}]: dst rows are {dst.row_bytes} B of {dst.dtype} but src rows are "
+                                 f"{src.row_bytes} B of {src.dtype}; they must match")
+            self.dst.append(dst)
+            self.src.append(src)
+        devices = {r.device for r in self.dst + self.src if r.device is not None}
+        if len(devices) > 1:
+            raise ValueError(f"pairs use several GPUs {sorted(devices)}; one transfer runs on one device")
+        self.device = devices.pop() if devices else None
+        self.dst_rows = min(r.rows for r in self.dst)
+        self.src_rows = min(r.rows for r in self.src)
+        # Per-pair constants of the copy descriptors, as CPU int64 columns.
+        self.dst_ptr = torch.tensor([r.ptr for r in self.dst], dtype=torch.int64)
+        self.src_ptr = torch.tensor([r.ptr for r in self.src], dtype=torch.int64)
+        self.dst_stride = torch.tensor([r.stride for r in self.dst], dtype=torch.int64)
+        self.src_stride = torch.tensor([r.stride for r in self.src], dtype=torch.int64)
+        self.row_bytes = torch.tensor([r.row_bytes for r in self.dst], dtype=torch.int64)
+        # A pair whose slots are back to back on both sides copies a run as one flat block.
+        self.packed = (self.dst_stride == self.row_bytes) & (self.src_stride == self.row_bytes)
+
+    def __len__(self) -> int:
+        return len(self.dst)
+
+
+# ---------------------------------------------------------------------------
+# Pure planning: runs and copy descriptors.
+
+class Runs:
+    """Maximal runs of a transfer: ``length[r]`` slots from ``src_start[r]`` to
+    ``dst_start[r]`` (CPU int64 tensors of equal length)."""
+
+    __slots__ = ("dst_start", "src_start", "length")
+
+    def __init__(self, dst_start, src_start, length):
+        self.dst_start, self.src_start, self.length = dst_start, src_start, length
+
+    def __len__(self) -> int:
+        return int(self.length.numel())
+
+    def as_tuples(self) -> list[tuple[int, int, int]]:
+        return list(zip(self.dst_start.tolist(), self.src_start.tolist(), self.length.tolist()))
+
+
+def _host_indices(name: str, idx) -> torch.Tensor:
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(idx).__name__}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
+    if idx.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
+    # A GPU index tensor is copied to the CPU here, which waits for the GPU:
+    # copies are issued from the host, so the host must know the slots.
+    return idx.to("cpu", torch.int64)
+
+
+def find_runs(indices_dst, indices_src) -> Runs:
+    """Groups index pairs into runs in which both sides advance by one slot.
+
+    Pairs with a negative index on either side are dropped first; a run may
+    continue across a dropped pair because the rows either side of it are
+    still consecutive on both sides.
+    """
+    dst = _host_indices("indices_dst", indices_dst)
+    src = _host_indices("indices_src", indices_src)
+    if dst.numel() != src.numel():
+        raise ValueError(f"indices_dst has {dst.numel()} entries but indices_src has {src.numel()}; "
+                         "they must have the same length")
+    keep = (dst >= 0) & (src >= 0)
+    if not bool(keep.all()):
+        dst, src = dst[keep], src[keep]
+    if dst.numel() == 0:
+        empty = torch.empty(0, dtype=torch.int64)
+        return Runs(empty, empty, empty)
+    breaks = ((dst[1:] - dst[:-1]) != 1) | ((src[1:] - src[:-1]) != 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1])
+    ends = torch.cat([starts[1:], torch.tensor([dst.numel()])])
+    return Runs(dst[starts], src[starts], ends - starts)
+
+
+def check_bounds(runs: Runs, dst_rows: int, src_rows: int) -> None:
+    """Raises TransferIndexError if a run reaches past the end of either side."""
+    if not len(runs):
+        return
+    for name, start, rows in (("indices_dst", runs.dst_start, dst_rows), ("indices_src", runs.src_start, src_rows)):
+        last = int((start + runs.length).max()) - 1
+        if last >= rows:
+            raise TransferIndexError(f"{name} holds index {last}, but that side has only {rows} slots")
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _PointerOperand(ctypes.Structure):
+    _fields_ = [("ptr", ctypes.c_void_p), ("rowLength", ctypes.c_size_t), ("layerHeight", ctypes.c_size_t),
+                ("locHint", _MemLocation)]
+
+
+class _Offset3D(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_size_t), ("y", ctypes.c_size_t), ("z", ctypes.c_size_t)]
+
+
+class _ArrayOperand(ctypes.Structure):
+    _fields_ = [("array", ctypes.c_void_p), ("offset", _Offset3D)]
+
+
+class _OperandUnion(ctypes.Union):
+    _fields_ = [("ptr", _PointerOperand), ("array", _ArrayOperand)]
+
+
+class Memcpy3DOperand(ctypes.Structure):
+    """``struct cudaMemcpy3DOperand`` (driver_types.h, CUDA 12.8+)."""
+
+    _fields_ = [("type", ctypes.c_int), ("op", _OperandUnion)]
+
+
+class Extent(ctypes.Structure):
+    """``struct cudaExtent``; width in bytes for linear memory."""
+
+    _fields_ = [("width", ctypes.c_size_t), ("height", ctypes.c_size_t), ("depth", ctypes.c_size_t)]
+
+
+class Memcpy3DBatchOp(ctypes.Structure):
+    """``struct cudaMemcpy3DBatchOp`` (driver_types.h, CUDA 12.8+)."""
+
+    _fields_ = [("src", Memcpy3DOperand), ("dst", Memcpy3DOperand), ("extent", Extent),
+                ("srcAccessOrder", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+
+def _descriptor_layout() -> dict:
+    """Byte offsets of the fields describe_copies fills, from the ctypes structs above."""
+    ptr = Memcpy3DOperand.op.offset + _OperandUnion.ptr.offset
+    layout = {}
+    for side in ("src", "dst"):
+        base = getattr(Memcpy3DBatchOp, side).offset
+        layout[f"{side}.type"] = base + Memcpy3DOperand.type.offset
+        layout[f"{side}.ptr"] = base + ptr + _PointerOperand.ptr.offset
+        layout[f"{side}.rowLength"] = base + ptr + _PointerOperand.rowLength.offset
+        layout[f"{side}.layerHeight"] = base + ptr + _PointerOperand.layerHeight.offset
+    for axis in ("width", "height", "depth"):
+        layout[f"extent.{axis}"] = Memcpy3DBatchOp.extent.offset + getattr(Extent, axis).offset
+    layout["srcAccessOrder"] = Memcpy3DBatchOp.srcAccessOrder.offset
+    layout["flags"] = Memcpy3DBatchOp.flags.offset
+    return layout
+
+
+DESCRIPTOR_BYTES = ctypes.sizeof(Memcpy3DBatchOp)
+DESCRIPTOR_OFFSETS = _descriptor_layout()
+_WORDS = DESCRIPTOR_BYTES // 8
+assert DESCRIPTOR_BYTES % 8 == 0 and sys.byteorder == "little"
+
+
+def _word(field: str) -> int:
+    return DESCRIPTOR_OFFSETS[field] // 8
+
+
+def describe_copies(pairs: Pairs, runs: Runs) -> torch.Tensor:
+    """Copy descriptors for every (pair, run): a CPU int64 tensor of shape
+    ``(len(pairs) * len(runs), DESCRIPTOR_BYTES // 8)`` whose rows are
+    ``cudaMemcpy3DBatchOp`` structs, pair-major.
+
+    Packed pairs copy a run as one block (width = length * row, height 1);
+    strided ones as rows (width = row, height = length, pitch = slot stride).
+    ``rowLength`` always holds the pitch, so the per-copy fallback reads it
+    back as ``cudaMemcpy2DAsync``'s pitch.
+    """
+    n_pairs, n_runs = len(pairs), len(runs)
+    words = torch.zeros((n_pairs, n_runs, _WORDS), dtype=torch.int64)
+    if not n_runs:
+        return words.view(0, _WORDS)
+    packed = pairs.packed[:, None]
+    row = pairs.row_bytes[:, None]
+    length = runs.length[None, :]
+    width = torch.where(packed, row * length, row)
+    height = torch.where(packed, torch.ones_like(length), length)
+    for side, start, base, stride in (("dst", runs.dst_start, pairs.dst_ptr, pairs.dst_stride),
+                                      ("src", runs.src_start, pairs.src_ptr, pairs.src_stride)):
+        words[:, :, _word(f"{side}.type")] = _OPERAND_TYPE_POINTER  # 4-byte enum in the low half of its word
+        words[:, :, _word(f"{side}.ptr")] = base[:, None] + start[None, :] * stride[:, None]
+        words[:, :, _word(f"{side}.rowLength")] = torch.where(packed, width, stride[:, None])
+    words[:, :, _word("extent.width")] = width
+    words[:, :, _word("extent.height")] = height
+    words[:, :, _word("extent.depth")] = 1
+    # srcAccessOrder and flags share one word: order in the low half, flags (0) in the high half.
+    assert DESCRIPTOR_OFFSETS["flags"] == DESCRIPTOR_OFFSETS["srcAccessOrder"] + 4
+    words[:, :, _word("srcAccessOrder")] = _SRC_ACCESS_ORDER_STREAM
+    return words.view(n_pairs * n_runs, _WORDS)
+
+
+# ---------------------------------------------------------------------------
+# The CUDA runtime, through ctypes.
+
+def _load_cudart() -> ctypes.CDLL:
+    major = (torch.version.cuda or "").split(".")[0]
+    if not major:
+        raise RuntimeError("torch is a CPU-only build; the direct path on a GPU needs a CUDA build of torch")
+    try:  # the soname resolves to the copy torch already loaded
+        return ctypes.CDLL(f"libcudart.so.{major}")
+    except OSError:
+        pass
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    patterns = [os.path.join(site, "nvidia", f"cu{major}", "lib", f"libcudart.so.{major}*"),
+                os.path.join(site, "nvidia", "cuda_runtime", "lib", f"libcudart.so.{major}*"),
+                os.path.join(os.path.dirname(torch.__file__), "lib", f"libcudart*.so.{major}*")]
+    for pattern in patterns:
+        for path in sorted(glob.glob(pattern)):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    raise RuntimeError(f"could not load libcudart.so.{major} (torch's CUDA runtime); looked under {site}/nvidia")
+
+
+class CudaRuntime:
+    """The few CUDA runtime calls the direct path and host pinning need."""
+
+    def __init__(self):
+        lib = _load_cudart()
+        self.lib = lib
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        version = ctypes.c_int()
+        lib.cudaRuntimeGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        self.check(lib.cudaRuntimeGetVersion(ctypes.byref(version)), "cudaRuntimeGetVersion")
+        self.version = version.value
+        size_t, ptr = ctypes.c_size_t, ctypes.c_void_p
+        lib.cudaMemcpy2DAsync.argtypes = [ptr, size_t, ptr, size_t, size_t, size_t, ctypes.c_int, ptr]
+        lib.cudaHostRegister.argtypes = [ptr, size_t, ctypes.c_uint]
+        lib.cudaHostUnregister.argtypes = [ptr]
+        self._batch = getattr(lib, "cudaMemcpy3DBatchAsync", None)
+        # CUDA 12.8-12.9 take a failIdx out-pointer that 13.0 dropped.
+        self._batch_has_fail_idx = self.version < 13000
+        if self._batch is not None and self.version >= 12080:
+            self._batch.argtypes = ([size_t, ptr] + ([ptr] if self._batch_has_fail_idx else [])
+                                    + [ctypes.c_ulonglong, ptr])
+        else:
+            self._batch = None
+
+    @property
+    def has_batch(self) -> bool:
+        return self._batch is not None
+
+    def check(self, code: int, what: str) -> None:
+        if code:
+            text = self.lib.cudaGetErrorString(code) or b"unknown error"
+            raise RuntimeError(f"{what} failed: {text.decode(errors='replace')} (cudaError {code})")
+
+    def memcpy_2d(self, words: torch.Tensor, stream: int) -> None:
+        """One cudaMemcpy2DAsync per descriptor row."""
+        columns = [_word(f) for f in ("dst.ptr", "dst.rowLength", "src.ptr", "src.rowLength",
+                                      "extent.width", "extent.height")]
+        call = self.lib.cudaMemcpy2DAsync
+        for dst, dpitch, src, spitch, width, height in words[:, columns].tolist():
+            code = call(dst, dpitch, src, spitch, width, height, _CUDA_MEMCPY_DEFAULT, stream)
+            if code:
+                self.check(code, f"cudaMemcpy2DAsync(width={width}, height={height})")
+
+    def memcpy_batch(self, words: torch.Tensor, stream: int) -> None:
+        """All descriptors in cudaMemcpy3DBatchAsync calls of at most MAX_BATCH_OPS.
+
+        ``words`` must stay alive until the call returns: the runtime reads the
+        descriptor array during the call (the memory it describes is accessed
+        later, in stream order), so the caller's reference suffices.
+        """
+        assert words.is_contiguous() and words.dtype == torch.int64 and words.shape[1] == _WORDS
+        fail_idx = ctypes.c_size_t(0)
+        for first in range(0, words.shape[0], MAX_BATCH_OPS):
+            chunk = words[first:first + MAX_BATCH_OPS]
+            args = [chunk.shape[0], chunk.data_ptr()]
+            if self._batch_has_fail_idx:
+                args.append(ctypes.addressof(fail_idx))
+            code = self._batch(*args, 0, stream)
+            if code:
+                self.check(code, f"cudaMemcpy3DBatchAsync({chunk.shape[0]} copies)")
+
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        self.check(self.lib.cudaHostRegister(ptr, nbytes, 0), f"cudaHostRegister({nbytes} bytes)")
+
+    def host_unregister(self, ptr: int) -> None:
+        self.check(self.lib.cudaHostUnregister(ptr), "cudaHostUnregister")
+
+
+_runtime: CudaRuntime | None = None
+_runtime_lock = threading.Lock()
+_batch_failure: str | None = None  # why the batch call was given up in this process, if it was
+_null_stream_helpers: dict[int, torch.cuda.Stream] = {}
+
+
+def cuda_runtime() -> CudaRuntime:
+    global _runtime
+    if _runtime is None:
+        with _runtime_lock:
+            if _runtime is None:
+                _runtime = CudaRuntime()
+    return _runtime
+
+
+def batch_status() -> tuple[bool, str]:
+    """Whether CUDA copies go out as one batched call, and why not."""
+    runtime = cuda_runtime()
+    if not runtime.has_batch:
+        return False, (f"cudaMemcpy3DBatchAsync needs CUDA 12.8 or newer; torch's runtime is "
+                       f"{runtime.version // 1000}.{runtime.version % 1000 // 10}: one cudaMemcpy2DAsync per run")
+    if _batch_failure:
+        return False, f"cudaMemcpy3DBatchAsync failed earlier in this process ({_batch_failure}); using 2-D copies"
+    return True, f"cudaMemcpy3DBatchAsync (CUDA runtime {runtime.version}): one call per transfer"
+
+
+# ---------------------------------------------------------------------------
+# Execution.
+
+def copy_rows(pairs, indices_dst, indices_src, *, mode: str = "auto") -> str:
+    """Copies ``src[indices_src[i]] -> dst[indices_dst[i]]`` for every pair.
+
+    ``pairs`` is a Pairs (or a list of (dst, src) tensors). ``mode`` picks the
+    CUDA submission: 'batch' (one cudaMemcpy3DBatchAsync per transfer), '2d'
+    (one cudaMemcpy2DAsync per run and pair) or 'auto' (batch where the
+    runtime has it). Returns what ran: 'batch', '2d', or 'torch' (CPU
+    tensors: slice copies). Asynchronous on the current stream for CUDA.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    pairs = pairs if isinstance(pairs, Pairs) else Pairs(pairs)
+    runs = find_runs(indices_dst, indices_src)
+    check_bounds(runs, pairs.dst_rows, pairs.src_rows)
+    if pairs.device is None:
+        _copy_on_cpu(pairs, runs)
+        return "torch"
+    return _copy_on_gpu(pairs, runs, mode)
+
+
+def _copy_on_cpu(pairs: Pairs, runs: Runs) -> None:
+    spans = runs.as_tuples()
+    for dst, src in zip(pairs.dst, pairs.src):
+        for d, s, n in spans:
+            dst.tensor[d:d + n].copy_(src.tensor[s:s + n])
+
+
+def _copy_on_gpu(pairs: Pairs, runs: Runs, mode: str) -> str:
+    global _batch_failure
+    runtime = cuda_runtime()
+    use_batch = mode == "batch" or (mode == "auto" and runtime.has_batch and not _batch_failure)
+    if mode == "batch" and not runtime.has_batch:
+        raise RuntimeError(batch_status()[1])
+    if not len(runs):
+        return "batch" if use_batch else "2d"
+    words = describe_copies(pairs, runs)
+    device = pairs.device
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        if not use_batch:
+            runtime.memcpy_2d(words, stream.cuda_stream)
+            return "2d"
+        try:
+            _batch_on(runtime, words, stream, device)
+            return "batch"
+        except RuntimeError as exc:
+            if mode == "batch":
+                raise
+            # Keep transfers working: fall back for the rest of the process and say so once.
+            # The copies are idempotent, so redoing any a failed batch did enqueue is safe.
+            _batch_failure = str(exc)
+            log.warning("cudaMemcpy3DBatchAsync failed (%s); the direct path uses one cudaMemcpy2DAsync per run "
+                        "from now on", exc)
+            runtime.memcpy_2d(words, stream.cuda_stream)
+            return "2d"
+
+
+def _batch_on(runtime: CudaRuntime, words: torch.Tensor, stream, device: int) -> None:
+    if stream.cuda_stream:
+        runtime.memcpy_batch(words, stream.cuda_stream)
+        return
+    # The batch API refuses the legacy NULL stream: run on a helper stream
+    # fenced on both sides, so the copies stay ordered with the caller's work.
+    helper = _null_stream_helpers.get(device)
+    if helper is None:
+        helper = _null_stream_helpers[device] = torch.cuda.Stream(device)
+    helper.wait_stream(stream)
+    runtime.memcpy_batch(words, helper.cuda_stream)
+    stream.wait_stream(helper)
