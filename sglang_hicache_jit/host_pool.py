@@ -1,0 +1,520 @@
+"""Host-memory KV pools for SGLang's HiCache: every layout x IO backend x operation.
+
+``MLAHostKVPool`` and ``MHAHostKVPool`` keep the method names and argument
+order of SGLang's ``MLATokenToKVPoolHost`` / ``MHATokenToKVPoolHost``
+(``backup_from_device_all_layer``, ``load_to_device_per_layer``, ``alloc``,
+``free``, the storage page API). What differs is that no cell of the matrix
+raises: each transfer runs through
+
+* the **kernel** path (ops.py: one launch per layer, or one for all layers)
+  when the probe says the kernel works for this row size on this GPU, or
+* the **direct** path (direct.py: copy engines, one batched submission per
+  transfer) otherwise, and whenever ``io_backend="direct"``.
+
+The choice is made once, at construction, and kept in ``transfer_path`` and
+``transfer_path_reason``; a pool that falls back to the direct path says so
+once, at WARNING.
+
+Host buffers (``L`` host layers, row shape ``R`` = ``(1, D)`` for MLA,
+``(H, Dh)`` for MHA; MHA adds a leading K/V dimension of 2)::
+
+    layer_first        (L, slots, *R)           layer l: buf[l]       (contiguous)
+    page_first         (slots, L, *R)           layer l: buf[:, l]    (slot stride L rows)
+    page_first_direct  (pages, L, P, *R)        layer l: rows of a page contiguous
+
+A ``page_first_direct`` layer has no single slot stride, so the pool views the
+buffer as flat rows starting at layer l's first row and maps each host token
+index ``t`` to ``(t // P) * L * P + t % P``; both paths then see a plain
+strided layer. Layer sharding: a device pool with ``owned_layers=(start,
+end)`` gets ``end - start`` host layers; device layer ``l`` lives in host layer
+``l - start`` and other layers are skipped (DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from . import direct
+from .errors import TransferIndexError
+
+log = logging.getLogger(__name__)
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+IO_BACKENDS = ("kernel", "direct", "auto")
+_logged_choices: set = set()  # (path, reason) pairs already logged in this process
+
+
+@dataclass
+class MLADevicePool:
+    """The device side of an MLA pool: one ``[slots, 1, D]`` tensor per layer.
+
+    ``owned_layers=(start, end)`` turns on layer sharding: this rank owns
+    device layers ``[start, end)``; entries outside it are never touched.
+    """
+
+    kv_buffer: list
+    owned_layers: tuple | None = None
+
+
+@dataclass
+class MHADevicePool:
+    """The device side of an MHA pool: per-layer ``[slots, H, Dh]`` K and V tensors."""
+
+    k_buffer: list
+    v_buffer: list
+    owned_layers: tuple | None = None
+
+
+def choose_io_backend(kernel_available: bool) -> str:
+    """The ``io_backend="auto"`` policy: which path a transfer takes.
+
+    Kernel when it is available, else direct. (Under a saturating matrix
+    multiply the copy engines keep their rate while SM-based kernels lose
+    theirs; tools/bench_pool.py measures both so this policy can follow.)
+    """
+    return "kernel" if kernel_available else "direct"
+
+
+def _log_choice_once(path: str, reason: str) -> None:
+    key = (path, reason)
+    if key in _logged_choices:
+        return
+    _logged_choices.add(key)
+    if path == "kernel":
+        log.info("HiCache host pool: kernel path (%s)", reason)
+    else:
+        log.warning("HiCache host pool: direct (copy-engine) path, because %s", reason)
+
+
+class _DeviceSide:
+    """A device pool reduced to what transfers need, built once per device pool."""
+
+    def __init__(self, caches: list[list], owned: tuple[int, int]):
+        start, end = owned
+        self.caches = caches                     # [cache][device layer] tensors
+        self.owned = owned
+        self.rows = [[direct.Rows(caches[c][l], f"device layer {l}") for l in range(start, end)]
+                     for c in range(len(caches))]  # [cache][owned layer - start]
+        self._table = None                       # ops.LayerTable over owned layers, built on first kernel use
+
+    def table(self):
+        if self._table is None:
+            from .ops import LayerTable
+
+            start, end = self.owned
+            layers = [self.caches[c][start:end] for c in range(len(self.caches))]
+            self._table = LayerTable(layers[0] if len(layers) == 1 else tuple(layers), name="device_pool")
+        return self._table
+
+
+class HostKVPool:
+    """Shared logic of the MLA and MHA host pools: allocator, layouts, sharding,
+    path choice and both transfer paths. Subclasses only say what their caches are."""
+
+    num_caches = 0     # 1 (MLA: kv) or 2 (MHA: k and v)
+
+    # -- what subclasses describe -------------------------------------------------
+    @classmethod
+    def _device_caches(cls, device_pool) -> list[list]:
+        """[cache][device layer] tensors of ``device_pool``."""
+        raise NotImplementedError
+
+    def _cache_buffers(self) -> list[torch.Tensor]:
+        """One host buffer per cache (views into ``kv_buffer``)."""
+        raise NotImplementedError
+
+    # -- construction ---------------------------------------------------------------
+    def __init__(self, device_pool, *, size: int, page_size: int, layout: str, pin_memory: bool = True):
+        for name, value in (("size", size), ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"Unsupported layout: {layout!r} (choose one of {', '.join(LAYOUTS)})")
+        caches = self._device_caches(device_pool)
+        self.device_pool = device_pool
+        self.layer_num_device = len(caches[0])
+        self.owned_layers = _owned_range(device_pool, self.layer_num_device)
+        start, end = self.owned_layers
+        first = caches[0][start]
+        for c, layers in enumerate(caches):
+            for l in range(start, end):
+                t = layers[l]
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"device_pool layer {l} must be a torch.Tensor, got {type(t).__name__}")
+                if (t.dtype, t.shape[1:], t.device) != (first.dtype, first.shape[1:], first.device):
+                    raise ValueError(f"device_pool layers must share dtype, row shape and device; layer {l} has "
+                                     f"{t.dtype} {tuple(t.shape[1:])} on {t.device}, layer {start} has "
+                                     f"{first.dtype} {tuple(first.shape[1:])} on {first.device}")
+        self.layout = layout
+        self.page_size = page_size
+        self.page_num = math.ceil(size / page_size)
+        self.size = self.page_num * page_size
+        self.layer_num = end - start
+        self.dtype = first.dtype
+        self.row_shape = tuple(first.shape[1:])
+        self.row_bytes = math.prod(self.row_shape) * first.element_size()
+        self.device = "cpu"
+        self.pin_memory = bool(pin_memory) and first.is_cuda  # pinning only matters with a GPU on the other side
+        self.kv_buffer = self._allocate(first.device)
+        self._host_rows = self._host_layer_rows()    # [cache][host layer] Rows
+        self._device_sides: dict[int, tuple[object, _DeviceSide]] = {}
+        self._device_side(device_pool)               # validates the owned layers once
+        self._host_table = None
+        self.direct_mode = "auto"      # how the direct path submits CUDA copies: 'auto', 'batch' or '2d'
+        self.last_direct_mode = None   # what the last direct transfer ran: 'batch', '2d' or 'torch'
+        self._load_pairs: dict[tuple[int, int], direct.Pairs] = {}
+        self._backup_pairs: dict[int, direct.Pairs] = {}
+        self.transfer_path, self.transfer_path_reason = self._choose_path(first)
+        _log_choice_once(self.transfer_path, self.transfer_path_reason)
+        self.lock = threading.RLock()
+        self.clear()
+
+    def _cache_shape(self) -> tuple:
+        if self.layout == "layer_first":
+            return (self.layer_num, self.size, *self.row_shape)
+        if self.layout == "page_first":
+            return (self.size, self.layer_num, *self.row_shape)
+        return (self.page_num, self.layer_num, self.page_size, *self.row_shape)
+
+    def _buffer_shape(self) -> tuple:
+        shape = self._cache_shape()
+        return shape if self.num_caches == 1 else (self.num_caches, *shape)
+
+    def _allocate(self, device_of_pool: torch.device) -> torch.Tensor:
+        buffer = torch.empty(self._buffer_shape(), dtype=self.dtype, device="cpu")
+        if self.pin_memory:
+            # Register the exact bytes (as upstream does) rather than torch's
+            # pinned allocator, which rounds each block up to a power of two.
+            runtime = direct.cuda_runtime()
+            with torch.cuda.device(device_of_pool):
+                runtime.host_register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+            weakref.finalize(buffer, _unregister, runtime, buffer.data_ptr())
+        return buffer
+
+    def _host_layer_view(self, buffer: torch.Tensor, layer: int) -> torch.Tensor:
+        """Host layer ``layer`` of one cache as (rows, *row_shape) with a uniform slot stride."""
+        if self.layout == "layer_first":
+            return buffer[layer]
+        if self.layout == "page_first":
+            return buffer[:, layer]
+        # page_first_direct: flat rows from this layer's first row; see translate_host_indices.
+        flat = buffer.view(-1, *self.row_shape)
+        rows = (self.page_num - 1) * self.layer_num * self.page_size + self.page_size
+        return flat[layer * self.page_size: layer * self.page_size + rows]
+
+    def _host_layer_rows(self) -> list[list[direct.Rows]]:
+        return [[direct.Rows(self._host_layer_view(buf, h), f"host layer {h}") for h in range(self.layer_num)]
+                for buf in self._cache_buffers()]
+
+    def _choose_path(self, first: torch.Tensor) -> tuple[str, str]:
+        if not first.is_cuda:
+            return "direct", (f"the device pool is on {first.device}, not a GPU: transfers run as plain tensor "
+                              "copies")
+        if not self.pin_memory:
+            return "direct", "the host pool is not pinned (pin_memory=False); the kernel needs pinned host memory"
+        result = probe(self.row_bytes, device=first.device.index)
+        if result.available:
+            return "kernel", f"the probe says: {result.reason}"
+        fix = f" Fix: {result.fix}" if result.fix else ""
+        return "direct", f"the probe says the kernel is unavailable [{result.code}]: {result.reason}{fix}"
+
+    # -- device pools and indices ------------------------------------------------
+    def _device_side(self, device_pool) -> _DeviceSide:
+        entry = self._device_sides.get(id(device_pool))
+        if entry is not None and entry[0] is device_pool:
+            return entry[1]
+        caches = self._device_caches(device_pool)
+        owned = _owned_range(device_pool, len(caches[0]))
+        if len(caches[0]) != self.layer_num_device or owned != self.owned_layers:
+            raise ValueError(f"device_pool does not match this host pool: it has {len(caches[0])} layers owning "
+                             f"{owned}, the host pool was built for {self.layer_num_device} layers owning "
+                             f"{self.owned_layers}")
+        start, end = owned
+        for c, layers in enumerate(caches):
+            for l in range(start, end):
+                t = layers[l]
+                if not isinstance(t, torch.Tensor) or t.dtype != self.dtype or tuple(t.shape[1:]) != self.row_shape:
+                    got = f"{t.dtype} rows of {tuple(t.shape[1:])}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"device_pool does not match this host pool: layer {l} holds {got}, expected "
+                                     f"{self.dtype} rows of {self.row_shape}")
+        side = _DeviceSide(caches, owned)
+        if len(self._device_sides) >= 4:  # a pool serves one or two device pools; keep the cache small
+            self._device_sides.clear()
+        # Keep device_pool referenced so its id is not reused while the entry lives.
+        self._device_sides[id(device_pool)] = (device_pool, side)
+        return side
+
+    def translate_host_indices(self, host_indices: torch.Tensor) -> torch.Tensor:
+        """Host token indices -> row indices of the per-layer views (identity except
+        for page_first_direct with several layers). Negative indices stay negative."""
+        if self.layout != "page_first_direct" or self.layer_num == 1:
+            return host_indices
+        t = host_indices.long()
+        page_rows = self.layer_num * self.page_size
+        mapped = torch.div(t, self.page_size, rounding_mode="floor") * page_rows + t.remainder(self.page_size)
+        return torch.where(t >= 0, mapped, t)
+
+    def _check_index_pair(self, host_indices, device_indices) -> None:
+        for name, idx in (("host_indices", host_indices), ("device_indices", device_indices)):
+            if not isinstance(idx, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(idx).__name__}")
+            if idx.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
+            if idx.dim() != 1:
+                raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
+        if host_indices.shape[0] != device_indices.shape[0]:
+            raise ValueError(f"host_indices has {host_indices.shape[0]} entries but device_indices has "
+                             f"{device_indices.shape[0]}; they must have the same length")
+
+    def _path(self, io_backend) -> str:
+        if io_backend == "direct":
+            return "direct"
+        if io_backend == "kernel":  # the kernel where it works, else the direct path (logged at construction)
+            return self.transfer_path
+        if io_backend == "auto":
+            return choose_io_backend(self.transfer_path == "kernel")
+        raise ValueError(f"Unsupported IO backend: {io_backend!r} (choose one of {', '.join(IO_BACKENDS)})")
+
+    def _layer(self, layer_id) -> int:
+        try:
+            layer = operator.index(layer_id)
+        except TypeError:
+            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}") from None
+        if not 0 <= layer < self.layer_num_device:
+            raise ValueError(f"layer_id {layer} is out of range for a device pool of {self.layer_num_device} layers")
+        return layer
+
+    # -- transfers -------------------------------------------------------------------
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend) -> None:
+        """Host -> device for one layer: ``device[layer_id][device_indices[i]] =
+        host[layer_id - start][host_indices[i]]``. A layer this rank does not own
+        is a silent no-op (as upstream)."""
+        layer = self._layer(layer_id)
+        path = self._path(io_backend)
+        self._check_index_pair(host_indices, device_indices)
+        start, end = self.owned_layers
+        if not start <= layer < end:
+            return
+        side = self._device_side(device_pool)
+        host_layer = layer - start
+        if path == "kernel":
+            from . import ops
+
+            host_rows = self.translate_host_indices(host_indices)
+            if self.num_caches == 1:
+                ops.transfer_one_layer_mla(side.caches[0][layer], device_indices,
+                                           self._host_rows[0][host_layer].tensor, host_rows)
+            else:
+                ops.transfer_one_layer(side.caches[0][layer], side.caches[1][layer], device_indices,
+                                       self._host_rows[0][host_layer].tensor, self._host_rows[1][host_layer].tensor,
+                                       host_rows)
+            return
+        key = (id(side), host_layer)
+        pairs = self._load_pairs.get(key)
+        if pairs is None:
+            if len(self._load_pairs) >= 4 * self.layer_num:
+                self._load_pairs.clear()
+            pairs = self._load_pairs[key] = direct.Pairs(
+                [(side.rows[c][host_layer], self._host_rows[c][host_layer]) for c in range(self.num_caches)])
+        self._copy_direct(pairs, device_indices, host_indices, host_is_dst=False)
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
+        """Device -> host for every owned layer: ``host[l - start][host_indices[i]] =
+        device[l][device_indices[i]]``; one kernel launch or one batched copy."""
+        path = self._path(io_backend)
+        self._check_index_pair(host_indices, device_indices)
+        side = self._device_side(device_pool)
+        if path == "kernel":
+            from . import ops
+
+            ops.transfer_all_layer(self._host_layer_table(), self.translate_host_indices(host_indices),
+                                   side.table(), device_indices)
+            return
+        pairs = self._backup_pairs.get(id(side))
+        if pairs is None:
+            self._backup_pairs.clear()
+            pairs = self._backup_pairs[id(side)] = direct.Pairs(
+                [(self._host_rows[c][h], side.rows[c][h]) for h in range(self.layer_num)
+                 for c in range(self.num_caches)])
+        self._copy_direct(pairs, host_indices, device_indices, host_is_dst=True)
+
+    def _host_layer_table(self):
+        if self._host_table is None:
+            from .ops import LayerTable
+
+            layers = [[rows.tensor for rows in cache] for cache in self._host_rows]
+            self._host_table = LayerTable(layers[0] if len(layers) == 1 else tuple(layers), name="host_pool",
+                                          written=True)
+        return self._host_table
+
+    def _copy_direct(self, pairs: direct.Pairs, indices_dst, indices_src, *, host_is_dst: bool) -> None:
+        # GPU indices come back to the CPU here (a host sync): copies are issued from the host.
+        host_indices = (indices_dst if host_is_dst else indices_src).to("cpu", torch.int64)
+        device_indices = (indices_src if host_is_dst else indices_dst).to("cpu", torch.int64)
+        if host_indices.numel() and int(host_indices.max()) >= self.size:
+            raise TransferIndexError(f"host_indices holds index {int(host_indices.max())}, but the host pool has "
+                                     f"only {self.size} slots")
+        host_rows = self.translate_host_indices(host_indices)
+        if host_is_dst:
+            self.last_direct_mode = direct.copy_rows(pairs, host_rows, device_indices, mode=self.direct_mode)
+        else:
+            self.last_direct_mode = direct.copy_rows(pairs, device_indices, host_rows, mode=self.direct_mode)
+
+    # -- allocator (same semantics as upstream HostKVCache) --------------------
+    def clear(self) -> None:
+        with self.lock:
+            self.free_slots = torch.arange(self.size, dtype=torch.int64)
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int):
+        """``need_size`` free token slots (CPU int64, whole pages), or None when
+        there are not enough."""
+        if isinstance(need_size, bool) or not isinstance(need_size, int) or need_size < 0:
+            raise ValueError(f"need_size must be a non-negative int, got {need_size!r}")
+        if need_size % self.page_size:
+            raise ValueError(f"need_size ({need_size}) must be a multiple of the page size ({self.page_size})")
+        with self.lock:
+            if need_size > len(self.free_slots):
+                return None
+            selected = self.free_slots[:need_size]
+            self.free_slots = self.free_slots[need_size:]
+            return selected
+
+    def free(self, indices) -> int:
+        """Returns slots to the pool; returns how many."""
+        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"indices must be an int32 or int64 torch.Tensor, got {type(indices).__name__}")
+        indices = indices.reshape(-1).to("cpu", torch.int64)
+        if indices.numel() % self.page_size:
+            raise ValueError(f"indices must free whole pages: {indices.numel()} slots is not a multiple of the "
+                             f"page size ({self.page_size})")
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.size):
+            raise ValueError(f"indices must lie in [0, {self.size}); got values in "
+                             f"[{int(indices.min())}, {int(indices.max())}]")
+        with self.lock:
+            self.free_slots = torch.cat([self.free_slots, indices])
+        return indices.numel()
+
+    # -- storage page API (L3 backends read and write whole pages) ----------
+    def _page_key(self, index) -> tuple:
+        try:
+            start = operator.index(index)
+        except TypeError:
+            raise TypeError(f"index must be an int (a page's first token slot), got {type(index).__name__}") from None
+        if start % self.page_size or not 0 <= start < self.size:
+            raise ValueError(f"index must be the first token slot of a page (a multiple of {self.page_size} in "
+                             f"[0, {self.size})), got {start}")
+        P = self.page_size
+        if self.layout == "layer_first":
+            key = (slice(None), slice(start, start + P))
+        elif self.layout == "page_first":
+            key = (slice(start, start + P),)
+        else:
+            key = (slice(start // P, start // P + 1),)
+        return key if self.num_caches == 1 else (slice(None), *key)
+
+    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        """One page (all layers) in the layout's natural order; flat=True flattens it
+        (a copy where the page is not contiguous, as upstream)."""
+        page = self.kv_buffer[self._page_key(index)]
+        return page.flatten() if flat else page
+
+    def set_from_flat_data_page(self, index, data_page: torch.Tensor) -> None:
+        target = self.kv_buffer[self._page_key(index)]
+        if not isinstance(data_page, torch.Tensor):
+            raise TypeError(f"data_page must be a torch.Tensor, got {type(data_page).__name__}")
+        if data_page.numel() != target.numel():
+            raise ValueError(f"data_page has {data_page.numel()} elements; a page of this pool has {target.numel()}")
+        if data_page.dtype != self.dtype:
+            raise ValueError(f"data_page has dtype {data_page.dtype}; this pool stores {self.dtype}")
+        target.copy_(data_page.reshape(target.shape))
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        shape = self.kv_buffer[self._page_key(0)].shape
+        return torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=self.pin_memory).flatten()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(layout={self.layout!r}, size={self.size}, page_size={self.page_size}, "
+                f"layers={self.layer_num} of {self.layer_num_device} owning {self.owned_layers}, "
+                f"row={self.row_bytes} B, transfer_path={self.transfer_path!r})")
+
+
+class MLAHostKVPool(HostKVPool):
+    """MLA host pool: one ``kv_buffer`` (see the module docstring for its shape)."""
+
+    num_caches = 1
+
+    @classmethod
+    def _device_caches(cls, device_pool) -> list[list]:
+        kv = getattr(device_pool, "kv_buffer", None)
+        if not isinstance(kv, (list, tuple)) or not kv:
+            raise TypeError("device_pool must have kv_buffer, a non-empty list of per-layer tensors, for "
+                            f"MLAHostKVPool; got {type(device_pool).__name__}")
+        return [list(kv)]
+
+    def _cache_buffers(self) -> list[torch.Tensor]:
+        return [self.kv_buffer]
+
+
+class MHAHostKVPool(HostKVPool):
+    """MHA host pool: ``kv_buffer`` with K at ``[0]`` and V at ``[1]``."""
+
+    num_caches = 2
+
+    @classmethod
+    def _device_caches(cls, device_pool) -> list[list]:
+        k, v = getattr(device_pool, "k_buffer", None), getattr(device_pool, "v_buffer", None)
+        if not isinstance(k, (list, tuple)) or not isinstance(v, (list, tuple)) or not k:
+            raise TypeError("device_pool must have k_buffer and v_buffer, non-empty lists of per-layer tensors, "
+                            f"for MHAHostKVPool; got {type(device_pool).__name__}")
+        if len(k) != len(v):
+            raise ValueError(f"device_pool has {len(k)} K layers but {len(v)} V layers; they must match")
+        return [list(k), list(v)]
+
+    def _cache_buffers(self) -> list[torch.Tensor]:
+        return [self.kv_buffer[0], self.kv_buffer[1]]
+
+    @property
+    def k_buffer(self) -> torch.Tensor:
+        return self.kv_buffer[0]
+
+    @property
+    def v_buffer(self) -> torch.Tensor:
+        return self.kv_buffer[1]
+
+
+def _owned_range(device_pool, layer_num: int) -> tuple[int, int]:
+    owned = getattr(device_pool, "owned_layers", None)
+    if owned is None:
+        return 0, layer_num
+    try:
+        start, end = (operator.index(x) for x in owned)
+    except (TypeError, ValueError):
+        raise ValueError(f"device_pool.owned_layers must be a (start, end) pair of ints, got {owned!r}") from None
+    if not 0 <= start < end <= layer_num:
+        raise ValueError(f"device_pool.owned_layers {owned!r} must satisfy 0 <= start < end <= {layer_num} "
+                         "(the device pool's layer count)")
+    return start, end
+
+
+def _unregister(runtime, ptr: int) -> None:
+    try:
+        runtime.host_unregister(ptr)
+    except RuntimeError:  # at interpreter exit the context may already be gone
+        pass
+
+
+def probe(element_size: int, *, device=None):
+    """The kernel probe (module-level so tests can replace it)."""
+    from .probe import probe as run_probe
+
+    return run_probe(element_size, device=device)

@@ -1,0 +1,629 @@
+"""Host KV pools and the direct path without a GPU: every layout x backend x operation.
+
+The device pools here are CPU tensors, so every transfer runs the direct
+path's plan with slice copies; the GPU files run the same helpers on CUDA.
+Each round trip fills both sides with random bytes, so the whole-buffer
+comparisons also prove that slots and layers nobody addressed are untouched.
+"""
+
+import ctypes
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_hicache_jit import direct, host_pool
+from sglang_hicache_jit.errors import TransferIndexError
+from sglang_hicache_jit.host_pool import MHADevicePool, MHAHostKVPool, MLADevicePool, MLAHostKVPool
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUTS = host_pool.LAYOUTS
+PAGE_SIZES = [1, 16, 64]
+ROW_BYTES = [1152, 576, 656]
+LAYERS, OWNED = 4, (1, 3)
+DEVICE_SLOTS, HOST_SIZE = 384, 500  # HOST_SIZE is not a multiple of 16 or 64: the pool rounds it up
+
+# (kind, row bytes) -> (dtype, row shape): DeepSeek MLA bf16 / FP8, DSA packed bytes, and MHA heads.
+ROW_SPECS = {
+    ("mla", 1152): (torch.bfloat16, (1, 576)),
+    ("mla", 576): (torch.float8_e4m3fn, (1, 576)),
+    ("mla", 656): (torch.uint8, (1, 656)),
+    ("mha", 1152): (torch.bfloat16, (9, 64)),
+    ("mha", 576): (torch.float8_e4m3fn, (9, 64)),
+    ("mha", 656): (torch.uint8, (4, 164)),
+}
+
+
+# ---------------------------------------------------------------------------
+# Helpers shared with the GPU tests.
+
+def random_rows(slots, dtype, row_shape, gen, device="cpu"):
+    nbytes = torch.empty((), dtype=dtype).element_size() * int(torch.tensor(row_shape).prod())
+    raw = torch.randint(0, 256, (slots, nbytes), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).view(slots, *row_shape).to(device)
+
+
+def make_device_pool(kind, row_bytes, gen, *, device="cpu", sharded=False, slots=DEVICE_SLOTS, layers=LAYERS):
+    dtype, row_shape = ROW_SPECS[(kind, row_bytes)]
+    owned = OWNED if sharded else None
+    if kind == "mla":
+        return MLADevicePool([random_rows(slots, dtype, row_shape, gen, device) for _ in range(layers)], owned)
+    return MHADevicePool([random_rows(slots, dtype, row_shape, gen, device) for _ in range(layers)],
+                         [random_rows(slots, dtype, row_shape, gen, device) for _ in range(layers)], owned)
+
+
+def make_host_pool(device_pool, *, size=HOST_SIZE, page_size, layout, **kwargs):
+    cls = MLAHostKVPool if isinstance(device_pool, MLADevicePool) else MHAHostKVPool
+    return cls(device_pool, size=size, page_size=page_size, layout=layout, **kwargs)
+
+
+def device_caches(device_pool):
+    if isinstance(device_pool, MLADevicePool):
+        return [device_pool.kv_buffer]
+    return [device_pool.k_buffer, device_pool.v_buffer]
+
+
+def host_caches(pool):
+    return [pool.kv_buffer] if pool.num_caches == 1 else [pool.kv_buffer[0], pool.kv_buffer[1]]
+
+
+def as_bytes(t):
+    return t.view(torch.uint8)
+
+
+def set_host_rows(buf, layout, page, layer, tokens, rows):
+    """Reference writer: host rows of ``layer`` at ``tokens`` (the layout's formula, written out)."""
+    if layout == "layer_first":
+        buf[layer, tokens] = rows
+    elif layout == "page_first":
+        buf[tokens, layer] = rows
+    else:
+        buf[tokens // page, layer, tokens % page] = rows
+
+
+def get_host_rows(buf, layout, page, layer, tokens):
+    if layout == "layer_first":
+        return buf[layer, tokens]
+    if layout == "page_first":
+        return buf[tokens, layer]
+    return buf[tokens // page, layer, tokens % page]
+
+
+def fill_random(t, gen):
+    flat = as_bytes(t).view(-1)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen).to(flat.device))
+
+
+def shuffle_allocator(pool, gen):
+    """Hands the pool's pages out in a random order, as a pool that has served a while does."""
+    everything = pool.alloc(pool.available_size())
+    pages = everything.view(-1, pool.page_size)
+    pool.free(pages[torch.randperm(pages.shape[0], generator=gen)].reshape(-1))
+
+
+def random_indices(pool, gen, *, device_slots, padding, dtype):
+    """Whole random pages on both sides (host pages from the pool's allocator), a few padding entries."""
+    page = pool.page_size
+    max_pages = min(device_slots, pool.size) // page
+    pages = int(torch.randint(1, max_pages + 1, (1,), generator=gen))
+    host = pool.alloc(pages * page)
+    assert host is not None
+    if bool(torch.randint(0, 2, (1,), generator=gen)):  # HiCache often sorts host pages; sometimes it does not
+        host = host.view(-1, page)[host.view(-1, page)[:, 0].argsort()].reshape(-1)
+    dev_pages = torch.randperm(device_slots // page, generator=gen)[:pages]
+    dev = (dev_pages[:, None] * page + torch.arange(page)).reshape(-1)
+    host_out, dev_out = host.clone(), dev.clone()
+    if padding and host.numel() > 2:
+        for _ in range(2):
+            i = int(torch.randint(0, host.numel(), (1,), generator=gen))
+            (host_out if i % 2 else dev_out)[i] = -1
+    return host, host_out.to(dtype), dev_out.to(dtype)
+
+
+def round_trip(kind, layout, page_size, row_bytes, sharded, io_backend, *, seed, device="cpu", rounds=3,
+               index_device=None):
+    """Backup, overwrite the device, load every layer; compare whole buffers bit-exactly each time.
+    Returns the pool (for callers that check its path)."""
+    gen = torch.Generator().manual_seed(seed)
+    dp = make_device_pool(kind, row_bytes, gen, device=device, sharded=sharded)
+    pool = make_host_pool(dp, page_size=page_size, layout=layout)
+    shuffle_allocator(pool, gen)
+    start, end = OWNED if sharded else (0, LAYERS)
+    for r in range(rounds):
+        for buf in host_caches(pool):
+            fill_random(buf, gen)
+        dtype = (torch.int32, torch.int64)[r % 2]
+        host, host_idx, dev_idx = random_indices(pool, gen, device_slots=DEVICE_SLOTS, padding=r > 0, dtype=dtype)
+        keep = (host_idx >= 0) & (dev_idx >= 0)
+        kh, kd = host_idx[keep].long(), dev_idx[keep].long()
+        ix = (lambda t: t.to(index_device)) if index_device else (lambda t: t)
+
+        # backup: device -> host, owned layers only
+        expected = [as_bytes(b).clone() for b in host_caches(pool)]
+        for c, layers in enumerate(device_caches(dp)):
+            for l in range(start, end):
+                set_host_rows(expected[c], layout, page_size, l - start, kh, as_bytes(layers[l]).cpu()[kd])
+        pool.backup_from_device_all_layer(dp, ix(host_idx), ix(dev_idx), io_backend)
+        _synchronize(device)
+        for c, buf in enumerate(host_caches(pool)):
+            assert torch.equal(as_bytes(buf), expected[c]), f"backup mismatch (round {r}, cache {c})"
+
+        # load: host -> device, at other device slots into freshly randomized layers
+        for layers in device_caches(dp):
+            for t in layers:
+                fill_random(t, gen)
+        dev_idx2 = dev_idx[torch.randperm(dev_idx.numel(), generator=gen)] if r == 2 else dev_idx
+        keep2 = (host_idx >= 0) & (dev_idx2 >= 0)
+        kh2, kd2 = host_idx[keep2].long(), dev_idx2[keep2].long()
+        expected_dev = [[as_bytes(t).cpu().clone() for t in layers] for layers in device_caches(dp)]
+        for c, buf in enumerate(host_caches(pool)):
+            for l in range(start, end):
+                expected_dev[c][l][kd2] = get_host_rows(as_bytes(buf), layout, page_size, l - start, kh2)
+        for l in range(LAYERS):  # not-owned layers must be silent no-ops
+            pool.load_to_device_per_layer(dp, ix(host_idx), ix(dev_idx2), l, io_backend)
+        _synchronize(device)
+        for c, layers in enumerate(device_caches(dp)):
+            for l, t in enumerate(layers):
+                assert torch.equal(as_bytes(t).cpu(), expected_dev[c][l]), f"load mismatch (round {r}, layer {l})"
+        pool.free(host)
+    return pool
+
+
+def _synchronize(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------
+# The matrix.
+
+@pytest.mark.parametrize("row_bytes", ROW_BYTES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("sharded", [False, True], ids=["all-layers", "sharded"])
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_matrix(layout, io_backend, kind, sharded, page_size, row_bytes):
+    seed = hash((layout, io_backend, kind, sharded, page_size, row_bytes)) % 2**31
+    pool = round_trip(kind, layout, page_size, row_bytes, sharded, io_backend, seed=seed)
+    assert pool.transfer_path == "direct"  # no GPU on the other side
+
+
+def test_auto_backend_round_trip():
+    round_trip("mla", "page_first", 64, 1152, True, "auto", seed=5)
+
+
+def test_sharded_page_first_backup_without_kernel_succeeds_and_says_why(caplog):
+    """Upstream raises 'Layer-sharded MLA HiCache backup with page_first layout requires
+    the JIT one-layer kernel.' here; the pool takes the direct path and logs why."""
+    host_pool._logged_choices.clear()
+    with caplog.at_level(logging.WARNING, logger="sglang_hicache_jit.host_pool"):
+        pool = round_trip("mla", "page_first", 64, 1152, True, "kernel", seed=11, rounds=1)
+        make_host_pool(pool.device_pool, page_size=64, layout="page_first")  # same reason: not logged again
+    assert pool.transfer_path == "direct" and "not a GPU" in pool.transfer_path_reason
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "direct" in warnings[0].getMessage()
+
+
+def test_path_choice_reports_the_probe_reason(monkeypatch):
+    """With a GPU-side pool the probe decides; its code, reason and fix reach the pool."""
+    from sglang_hicache_jit.probe import ProbeResult
+
+    calls = []
+
+    def fake_probe(element_size, *, device=None):
+        calls.append((element_size, device))
+        return ProbeResult(False, "build_failed", "nvcc said no.", "read the log")
+
+    monkeypatch.setattr(host_pool, "probe", fake_probe)
+    pool = make_host_pool(make_device_pool("mla", 1152, torch.Generator().manual_seed(0)), page_size=16,
+                          layout="page_first")
+    gpu_layer = _FakeCudaTensor()
+    path, reason = pool._choose_path(gpu_layer)  # this pool is not pinned: no probe needed
+    assert path == "direct" and "not pinned" in reason and not calls
+    pool.pin_memory = True
+    path, reason = pool._choose_path(gpu_layer)
+    assert path == "direct" and calls == [(1152, 0)]
+    assert "[build_failed]" in reason and "nvcc said no." in reason and "read the log" in reason
+
+    monkeypatch.setattr(host_pool, "probe", lambda element_size, *, device=None: ProbeResult(True, "ok", "fine."))
+    assert pool._choose_path(gpu_layer) == ("kernel", "the probe says: fine.")
+
+
+class _FakeCudaTensor:
+    """What the path choice asks of a device layer, as a CUDA tensor would answer."""
+
+    is_cuda, device = True, torch.device("cuda", 0)
+
+
+def test_auto_policy_is_one_function():
+    assert host_pool.choose_io_backend(True) == "kernel"
+    assert host_pool.choose_io_backend(False) == "direct"
+
+
+# ---------------------------------------------------------------------------
+# Allocator.
+
+def test_allocator_pages_exhaustion_and_free():
+    dp = make_device_pool("mla", 576, torch.Generator().manual_seed(1))
+    pool = make_host_pool(dp, size=100, page_size=64, layout="page_first")
+    assert pool.size == 128 and pool.page_num == 2 and pool.available_size() == 128
+    first = pool.alloc(64)
+    assert first.dtype == torch.int64 and first.device.type == "cpu" and first.tolist() == list(range(64))
+    second = pool.alloc(64)
+    assert pool.alloc(64) is None  # exhausted: None, as upstream, not an exception
+    assert pool.available_size() == 0
+    assert pool.free(first) == 64
+    again = pool.alloc(64)
+    assert torch.equal(again, first) and pool.alloc(64) is None
+    assert pool.alloc(0).numel() == 0
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        pool.alloc(32)
+    with pytest.raises(ValueError, match="need_size"):
+        pool.alloc(-64)
+    with pytest.raises(ValueError, match="whole pages"):
+        pool.free(second[:10])
+    with pytest.raises(ValueError, match=r"\[0, 128\)"):
+        pool.free(second + 128)
+    with pytest.raises(TypeError, match="indices"):
+        pool.free(second.tolist())
+    pool.clear()
+    assert pool.available_size() == 128
+
+
+# ---------------------------------------------------------------------------
+# Bad arguments.
+
+@pytest.fixture(scope="module")
+def small_pools():
+    gen = torch.Generator().manual_seed(2)
+    dp = make_device_pool("mla", 1152, gen)
+    return dp, make_host_pool(dp, page_size=16, layout="page_first")
+
+
+def test_constructor_rejects_bad_arguments():
+    gen = torch.Generator().manual_seed(3)
+    dp = make_device_pool("mla", 1152, gen)
+    with pytest.raises(ValueError, match="Unsupported layout: 'page_head'"):
+        MLAHostKVPool(dp, size=64, page_size=16, layout="page_head")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="size"):
+            MLAHostKVPool(dp, size=bad, page_size=16, layout="page_first")
+        with pytest.raises(ValueError, match="page_size"):
+            MLAHostKVPool(dp, size=64, page_size=bad, layout="page_first")
+    mha = make_device_pool("mha", 1152, gen)
+    with pytest.raises(TypeError, match="kv_buffer"):
+        MLAHostKVPool(mha, size=64, page_size=16, layout="page_first")
+    with pytest.raises(TypeError, match="k_buffer and v_buffer"):
+        MHAHostKVPool(dp, size=64, page_size=16, layout="page_first")
+    with pytest.raises(ValueError, match="K layers"):
+        MHAHostKVPool(MHADevicePool(mha.k_buffer, mha.v_buffer[:-1]), size=64, page_size=16, layout="page_first")
+    for owned in ((2, 2), (3, 1), (0, LAYERS + 1), (-1, 2), "ab", (1, 2, 3)):
+        with pytest.raises(ValueError, match="owned_layers"):
+            MLAHostKVPool(MLADevicePool(dp.kv_buffer, owned), size=64, page_size=16, layout="page_first")
+    mixed = MLADevicePool(dp.kv_buffer[:2] + [dp.kv_buffer[2].float()] + dp.kv_buffer[3:])
+    with pytest.raises(ValueError, match="share dtype"):
+        MLAHostKVPool(mixed, size=64, page_size=16, layout="page_first")
+    # layers outside the owned range are never touched, so they may be anything
+    sharded = MLADevicePool([None] + dp.kv_buffer[1:3] + [None], owned_layers=(1, 3))
+    assert MLAHostKVPool(sharded, size=64, page_size=16, layout="page_first").layer_num == 2
+
+
+def test_transfers_reject_bad_arguments(small_pools):
+    dp, pool = small_pools
+    idx = torch.arange(16)
+    with pytest.raises(ValueError, match="Unsupported IO backend: 'kernel_ascend'"):
+        pool.backup_from_device_all_layer(dp, idx, idx, "kernel_ascend")
+    with pytest.raises(ValueError, match="Unsupported IO backend"):
+        pool.load_to_device_per_layer(dp, idx, idx, 0, None)
+    with pytest.raises(ValueError, match="same length"):
+        pool.backup_from_device_all_layer(dp, idx, idx[:8], "direct")
+    with pytest.raises(TypeError, match="host_indices must be int32 or int64"):
+        pool.load_to_device_per_layer(dp, idx.float(), idx, 0, "kernel")
+    with pytest.raises(TypeError, match="device_indices must be a torch.Tensor"):
+        pool.load_to_device_per_layer(dp, idx, idx.tolist(), 0, "kernel")
+    with pytest.raises(ValueError, match="1-D"):
+        pool.backup_from_device_all_layer(dp, idx.view(4, 4), idx.view(4, 4), "direct")
+    with pytest.raises(ValueError, match="layer_id 4 is out of range"):
+        pool.load_to_device_per_layer(dp, idx, idx, LAYERS, "direct")
+    with pytest.raises(TypeError, match="layer_id"):
+        pool.load_to_device_per_layer(dp, idx, idx, 1.0, "direct")
+    with pytest.raises(TransferIndexError, match="host_indices holds index"):
+        pool.backup_from_device_all_layer(dp, idx + pool.size, idx, "direct")
+    with pytest.raises(TransferIndexError, match="indices_src holds index 399"):
+        pool.backup_from_device_all_layer(dp, idx, idx + DEVICE_SLOTS, "direct")
+    with pytest.raises(TransferIndexError, match="indices_dst holds index 399"):
+        pool.load_to_device_per_layer(dp, idx, idx + DEVICE_SLOTS, 1, "kernel")
+
+
+def test_transfers_reject_mismatched_device_pools(small_pools):
+    dp, pool = small_pools
+    gen = torch.Generator().manual_seed(4)
+    idx = torch.arange(16)
+    cases = {
+        "rows of": make_device_pool("mla", 576, gen),                       # other row size / dtype
+        "layers owning": MLADevicePool(dp.kv_buffer[:3]),                   # other layer count
+        "owning": MLADevicePool(dp.kv_buffer, owned_layers=(0, 2)),         # other shard
+    }
+    for message, other in cases.items():
+        with pytest.raises(ValueError, match=message):
+            pool.backup_from_device_all_layer(other, idx, idx, "direct")
+    with pytest.raises(TypeError, match="kv_buffer"):
+        pool.load_to_device_per_layer(make_device_pool("mha", 1152, gen), idx, idx, 0, "direct")
+    # a second device pool of the same shape is fine (loads into a fresh pool)
+    twin = MLADevicePool([torch.zeros_like(t) for t in dp.kv_buffer])
+    pool.load_to_device_per_layer(twin, idx, idx, 2, "direct")
+
+
+# ---------------------------------------------------------------------------
+# Storage page API.
+
+UPSTREAM_PAGE_SHAPES = {  # (kind, layout) -> page shape with L layers, P tokens per page, row (a, b)
+    ("mla", "layer_first"): lambda L, P, a, b: (L, P, a, b),
+    ("mla", "page_first"): lambda L, P, a, b: (P, L, a, b),
+    ("mla", "page_first_direct"): lambda L, P, a, b: (1, L, P, a, b),
+    ("mha", "layer_first"): lambda L, P, a, b: (2, L, P, a, b),
+    ("mha", "page_first"): lambda L, P, a, b: (2, P, L, a, b),
+    ("mha", "page_first_direct"): lambda L, P, a, b: (2, 1, L, P, a, b),
+}
+
+
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_data_pages(kind, layout):
+    gen = torch.Generator().manual_seed(6)
+    dp = make_device_pool(kind, 1152, gen)
+    pool = make_host_pool(dp, page_size=16, layout=layout)
+    for buf in host_caches(pool):
+        fill_random(buf, gen)
+    _, (a, b) = ROW_SPECS[(kind, 1152)]
+    shape = UPSTREAM_PAGE_SHAPES[(kind, layout)](LAYERS, 16, a, b)
+    page = pool.get_data_page(32, flat=False)
+    assert tuple(page.shape) == shape
+    flat = pool.get_data_page(torch.tensor(32))  # the controller passes a 0-d index tensor
+    assert flat.dim() == 1 and torch.equal(as_bytes(flat), as_bytes(page.reshape(-1)))
+    # token 35 of layer 2 sits where the layout says, inside the page
+    row = get_host_rows(as_bytes(host_caches(pool)[-1]), layout, 16, 2, torch.tensor([35]))
+    view = page[1] if kind == "mha" else page
+    local = {"layer_first": lambda v: v[2, 3], "page_first": lambda v: v[3, 2],
+             "page_first_direct": lambda v: v[0, 2, 3]}[layout](view)
+    assert torch.equal(as_bytes(local.contiguous()).reshape(-1), row.reshape(-1))
+
+    dummy = pool.get_dummy_flat_data_page()
+    assert dummy.numel() == flat.numel() and dummy.dtype == pool.dtype and not dummy.view(torch.uint8).any()
+    assert not torch.equal(as_bytes(pool.get_data_page(64)), as_bytes(flat))
+    pool.set_from_flat_data_page(64, flat)
+    assert torch.equal(as_bytes(pool.get_data_page(64)), as_bytes(flat))
+
+    for bad in (8, -16, pool.size, 1 << 20):
+        with pytest.raises(ValueError, match="first token slot of a page"):
+            pool.get_data_page(bad)
+    with pytest.raises(TypeError, match="index"):
+        pool.get_data_page(16.0)
+    with pytest.raises(ValueError, match="elements"):
+        pool.set_from_flat_data_page(16, flat[:-1])
+    with pytest.raises(ValueError, match="dtype"):
+        pool.set_from_flat_data_page(16, flat.view(torch.uint8)[: flat.numel()])
+
+
+def test_pages_outside_the_written_page_stay_untouched():
+    gen = torch.Generator().manual_seed(7)
+    dp = make_device_pool("mla", 656, gen)
+    pool = make_host_pool(dp, page_size=16, layout="layer_first")
+    fill_random(pool.kv_buffer, gen)
+    before = pool.kv_buffer.clone()
+    new = torch.randint(0, 256, (pool.get_data_page(0).numel(),), dtype=torch.uint8, generator=gen)
+    pool.set_from_flat_data_page(48, new)
+    diff = (pool.kv_buffer != before).any(dim=-1).any(dim=-1)  # (layers, slots)
+    assert diff[:, 48:64].any() and not diff[:, :48].any() and not diff[:, 64:].any()
+
+
+def test_storage_round_trip_through_pages():
+    """Backup, copy pages to a second pool as an L3 backend would, load from it."""
+    gen = torch.Generator().manual_seed(8)
+    dp = make_device_pool("mha", 576, gen)
+    src = make_host_pool(dp, page_size=16, layout="page_first")
+    dst = make_host_pool(dp, page_size=16, layout="page_first")
+    idx = torch.arange(64, 128)
+    src.backup_from_device_all_layer(dp, idx, idx, "direct")
+    for page in range(64, 128, 16):
+        dst.set_from_flat_data_page(page + 128, src.get_data_page(page))
+    fresh = MHADevicePool([torch.zeros_like(t) for t in dp.k_buffer], [torch.zeros_like(t) for t in dp.v_buffer])
+    for layer in range(LAYERS):
+        dst.load_to_device_per_layer(fresh, idx + 128, idx, layer, "direct")
+        assert torch.equal(as_bytes(fresh.k_buffer[layer][64:128]), as_bytes(dp.k_buffer[layer][64:128]))
+        assert torch.equal(as_bytes(fresh.v_buffer[layer][64:128]), as_bytes(dp.v_buffer[layer][64:128]))
+
+
+def test_pinning_is_skipped_without_a_gpu_side():
+    pool = make_host_pool(make_device_pool("mla", 576, torch.Generator().manual_seed(9)), page_size=16,
+                          layout="page_first", pin_memory=True)
+    assert pool.pin_memory is False and pool.kv_buffer.device.type == "cpu"
+
+
+# ---------------------------------------------------------------------------
+# direct.py: runs, descriptors, struct layout.
+
+def naive_runs(dst, src):
+    pairs = [(d, s) for d, s in zip(dst, src) if d >= 0 and s >= 0]
+    runs = []
+    for d, s in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
+            runs[-1][2] += 1
+        else:
+            runs.append([d, s, 1])
+    return [tuple(r) for r in runs]
+
+
+index_lists = st.lists(st.tuples(st.integers(-2, 40), st.integers(-2, 40)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(index_lists, st.sampled_from([torch.int32, torch.int64]))
+def test_find_runs_matches_a_naive_scan(pairs, dtype):
+    dst = torch.tensor([p[0] for p in pairs], dtype=dtype)
+    src = torch.tensor([p[1] for p in pairs], dtype=dtype)
+    assert direct.find_runs(dst, src).as_tuples() == naive_runs(dst.tolist(), src.tolist())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=20, unique=True), st.integers(1, 4),
+       st.lists(st.integers(0, 30), min_size=1, max_size=20, unique=True))
+def test_find_runs_of_pages_are_one_run_per_contiguous_stretch(page_ids, page, other):
+    host = (torch.tensor(sorted(page_ids))[:, None] * page + torch.arange(page)).reshape(-1)
+    dev = host.clone()
+    runs = direct.find_runs(dev, host)
+    stretches = 1 + sum(1 for a, b in zip(sorted(page_ids), sorted(page_ids)[1:]) if b != a + 1)
+    assert len(runs) == stretches and int(runs.length.sum()) == host.numel()
+
+
+def test_find_runs_rejects_bad_indices():
+    with pytest.raises(ValueError, match="same length"):
+        direct.find_runs(torch.arange(3), torch.arange(4))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        direct.find_runs(torch.arange(3.0), torch.arange(3))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        direct.find_runs([0, 1], torch.arange(2))
+    assert len(direct.find_runs(torch.tensor([-1, 3]), torch.tensor([2, -5]))) == 0
+
+
+def execute_descriptors(words):
+    """Runs copy descriptors on host memory with memmove, row by row: an executable
+    model of what cudaMemcpy3DBatchAsync is asked to do."""
+    col = {k: v // 8 for k, v in direct.DESCRIPTOR_OFFSETS.items()}
+    for w in words.tolist():
+        assert w[col["extent.depth"]] == 1 and w[col["src.type"]] == 1 and w[col["dst.type"]] == 1
+        assert w[col["srcAccessOrder"]] == 1  # stream order, flags 0 in the high half
+        width, height = w[col["extent.width"]], w[col["extent.height"]]
+        assert w[col["src.rowLength"]] >= width and w[col["dst.rowLength"]] >= width
+        for y in range(height):
+            ctypes.memmove(w[col["dst.ptr"]] + y * w[col["dst.rowLength"]],
+                           w[col["src.ptr"]] + y * w[col["src.rowLength"]], width)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_descriptors_copy_exactly_the_addressed_rows(seed):
+    gen = torch.Generator().manual_seed(seed)
+    row = int(torch.randint(1, 40, (1,), generator=gen)) * 4
+    layers = int(torch.randint(1, 4, (1,), generator=gen))
+    host = torch.randint(0, 256, (64, layers, row), dtype=torch.uint8, generator=gen)   # page_first-like
+    dev = [torch.randint(0, 256, (48, row), dtype=torch.uint8, generator=gen) for _ in range(layers)]
+    n = int(torch.randint(1, 40, (1,), generator=gen))
+    src = torch.randperm(48, generator=gen)[:n]
+    src[: n // 2] = src[: n // 2].sort().values  # some runs, some scattered
+    dst = torch.randperm(64, generator=gen)[:n].sort().values
+    dst[0] = -1 if seed % 3 == 0 else dst[0]
+    pairs = direct.Pairs([(host[:, l], dev[l]) for l in range(layers)])
+    expected = host.clone()
+    keep = (dst >= 0) & (src >= 0)
+    for l in range(layers):
+        expected[dst[keep], l] = dev[l][src[keep]]
+    runs = direct.find_runs(dst, src)
+    words = direct.describe_copies(pairs, runs)
+    assert words.shape == (layers * len(runs), direct.DESCRIPTOR_BYTES // 8)
+    execute_descriptors(words)
+    assert torch.equal(host, expected)
+    # packed pairs (both sides contiguous rows) become one block per run
+    a, b = torch.zeros(64, row, dtype=torch.uint8), torch.randint(0, 256, (48, row), dtype=torch.uint8, generator=gen)
+    packed = direct.describe_copies(direct.Pairs([(a, b)]), runs)
+    assert (packed[:, direct.DESCRIPTOR_OFFSETS["extent.height"] // 8] == 1).all()
+    execute_descriptors(packed)
+    reference = torch.zeros(64, row, dtype=torch.uint8)
+    reference[dst[keep]] = b[src[keep]]
+    assert torch.equal(a, reference)
+
+
+def test_copy_rows_on_cpu_checks_pairs_and_bounds():
+    a, b = torch.zeros(8, 4, dtype=torch.int32), torch.arange(32, dtype=torch.int32).view(8, 4)
+    assert direct.copy_rows([(a, b)], torch.tensor([7, 0]), torch.tensor([1, 2])) == "torch"
+    assert a[7].tolist() == [4, 5, 6, 7] and a[0].tolist() == [8, 9, 10, 11] and not a[1:7].any()
+    with pytest.raises(TransferIndexError, match="indices_dst holds index 8"):
+        direct.copy_rows([(a, b)], torch.tensor([8]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="must match"):
+        direct.copy_rows([(a, b.float())], torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        direct.Rows(torch.zeros(8, 4)[:, ::2])
+    with pytest.raises(ValueError, match="overlapping"):
+        direct.Rows(torch.zeros(8, 4).as_strided((8, 4), (2, 1)))
+    with pytest.raises(ValueError, match="mode"):
+        direct.copy_rows([(a, b)], torch.tensor([0]), torch.tensor([0]), mode="fast")
+    with pytest.raises(ValueError, match="at least one"):
+        direct.Pairs([])
+
+
+STRUCT_PROGRAM = r"""
+#include <stdio.h>
+#include <stddef.h>
+#include <cuda_runtime_api.h>
+#define F(name, expr) printf("%s %zu\n", name, (size_t)(expr));
+int main(void) {
+  typedef struct cudaMemcpy3DBatchOp Op;
+  F("size", sizeof(Op))
+  F("src.type", offsetof(Op, src.type))
+  F("src.ptr", offsetof(Op, src.op.ptr.ptr))
+  F("src.rowLength", offsetof(Op, src.op.ptr.rowLength))
+  F("src.layerHeight", offsetof(Op, src.op.ptr.layerHeight))
+  F("dst.type", offsetof(Op, dst.type))
+  F("dst.ptr", offsetof(Op, dst.op.ptr.ptr))
+  F("dst.rowLength", offsetof(Op, dst.op.ptr.rowLength))
+  F("dst.layerHeight", offsetof(Op, dst.op.ptr.layerHeight))
+  F("extent.width", offsetof(Op, extent.width))
+  F("extent.height", offsetof(Op, extent.height))
+  F("extent.depth", offsetof(Op, extent.depth))
+  F("srcAccessOrder", offsetof(Op, srcAccessOrder))
+  F("flags", offsetof(Op, flags))
+  F("cudaMemcpyDefault", cudaMemcpyDefault)
+  F("cudaMemcpySrcAccessOrderStream", cudaMemcpySrcAccessOrderStream)
+  F("cudaMemcpyOperandTypePointer", cudaMemcpyOperandTypePointer)
+  return 0;
+}
+"""
+
+
+def _cuda_include():
+    from sglang_hicache_jit.toolchain import find_toolkit
+
+    toolkit = find_toolkit()
+    include = toolkit.home / "include" if toolkit else None
+    if include is None or not (include / "driver_types.h").exists():
+        return None
+    text = (include / "driver_types.h").read_text(errors="replace")
+    return include if "cudaMemcpy3DBatchOp" in text else None
+
+
+def test_batch_descriptor_matches_the_cuda_header(tmp_path):
+    include, compiler = _cuda_include(), shutil.which("gcc") or shutil.which("cc")
+    if include is None or compiler is None:
+        pytest.skip("needs a C compiler and CUDA 12.8+ headers")
+    source = tmp_path / "layout.c"
+    source.write_text(STRUCT_PROGRAM)
+    binary = tmp_path / "layout"
+    subprocess.run([compiler, "-I", str(include), str(source), "-o", str(binary)], check=True, capture_output=True)
+    facts = dict(line.split() for line in subprocess.run([str(binary)], capture_output=True, text=True,
+                                                        check=True).stdout.splitlines())
+    facts = {k: int(v) for k, v in facts.items()}
+    assert facts.pop("size") == direct.DESCRIPTOR_BYTES == 112
+    assert facts.pop("cudaMemcpyDefault") == direct._CUDA_MEMCPY_DEFAULT
+    assert facts.pop("cudaMemcpySrcAccessOrderStream") == direct._SRC_ACCESS_ORDER_STREAM
+    assert facts.pop("cudaMemcpyOperandTypePointer") == direct._OPERAND_TYPE_POINTER
+    assert facts == direct.DESCRIPTOR_OFFSETS
+
+
+# ---------------------------------------------------------------------------
+# The demo, CPU edition.
+
+def test_demo_runs_on_cpu_and_verifies():
+    out = subprocess.run([sys.executable, "-m", "sglang_hicache_jit", "demo", "--tokens", "1024", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["device"] == "cpu" and report["chosen_path"] == "direct"
+    assert report["results"] and all(r["bit_exact"] for r in report["results"])
+    assert "no GPU" in report["note"]
