@@ -157,6 +157,18 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from .demo import format_report, run_demo
+
+    try:
+        report = run_demo(args.tokens)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if all(r["bit_exact"] for r in report["results"]) else 1
+
+
 def cmd_clean(args) -> int:
     from .cache import BuildCache
 
@@ -194,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     # 'bench' is dispatched in main() straight to benchmark.py's own parser; listed here for --help.
     sub.add_parser("bench", help="benchmark the transfers on this GPU (`bench --help` for its options)")
+
+    p = sub.add_parser("demo", help="DeepSeek-V3-shaped HiCache backup/load through the probe's path and the "
+                       "direct path: bit-exact checks and GB/s against the ceiling")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per transfer, a multiple of 64 (default 16384)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("clean", help="remove cache entries (or only failed-build records)")
     p.add_argument("--failed", action="store_true", help="only forget failed builds, so they are retried")
