@@ -108,6 +108,10 @@ class Pairs:
         if len(devices) > 1:
             raise ValueError(f"pairs use several GPUs {sorted(devices)}; one transfer runs on one device")
         self.device = devices.pop() if devices else None
+        # Pageable host memory is staged through driver buffers whatever the call;
+        # 'auto' sends it one cudaMemcpy2DAsync per run rather than rely on the batch call for it.
+        self.pageable = self.device is not None and any(
+            r.device is None and not r.tensor.is_pinned() for r in self.dst + self.src)
         self.dst_rows = min(r.rows for r in self.dst)
         self.src_rows = min(r.rows for r in self.src)
         # Per-pair constants of the copy descriptors, as CPU int64 columns.
@@ -343,6 +347,9 @@ class CudaRuntime:
 
     def check(self, code: int, what: str) -> None:
         if code:
+            # Clear the runtime's last-error slot: a later torch check would
+            # otherwise report this (non-sticky) error at an unrelated call.
+            self.lib.cudaGetLastError()
             text = self.lib.cudaGetErrorString(code) or b"unknown error"
             raise RuntimeError(f"{what} failed: {text.decode(errors='replace')} (cudaError {code})")
 
@@ -416,8 +423,9 @@ def copy_rows(pairs, indices_dst, indices_src, *, mode: str = "auto") -> str:
     ``pairs`` is a Pairs (or a list of (dst, src) tensors). ``mode`` picks the
     CUDA submission: 'batch' (one cudaMemcpy3DBatchAsync per transfer), '2d'
     (one cudaMemcpy2DAsync per run and pair) or 'auto' (batch where the
-    runtime has it). Returns what ran: 'batch', '2d', or 'torch' (CPU
-    tensors: slice copies). Asynchronous on the current stream for CUDA.
+    runtime has it and host memory is pinned). Returns what ran: 'batch',
+    '2d', or 'torch' (CPU tensors: slice copies). Asynchronous on the
+    current stream for CUDA.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -440,7 +448,8 @@ def _copy_on_cpu(pairs: Pairs, runs: Runs) -> None:
 def _copy_on_gpu(pairs: Pairs, runs: Runs, mode: str) -> str:
     global _batch_failure
     runtime = cuda_runtime()
-    use_batch = mode == "batch" or (mode == "auto" and runtime.has_batch and not _batch_failure)
+    use_batch = mode == "batch" or (mode == "auto" and runtime.has_batch and not _batch_failure
+                                    and not pairs.pageable)
     if mode == "batch" and not runtime.has_batch:
         raise RuntimeError(batch_status()[1])
     if not len(runs):

@@ -193,8 +193,15 @@ class HostKVPool:
             # Register the exact bytes (as upstream does) rather than torch's
             # pinned allocator, which rounds each block up to a power of two.
             runtime = direct.cuda_runtime()
-            with torch.cuda.device(device_of_pool):
-                runtime.host_register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+            nbytes = buffer.numel() * buffer.element_size()
+            try:
+                with torch.cuda.device(device_of_pool):
+                    runtime.host_register(buffer.data_ptr(), nbytes)
+            except RuntimeError as exc:
+                raise RuntimeError(f"pinning the {nbytes / 1e9:.2f} GB host pool failed ({exc}); free host memory, "
+                                   "raise the locked-memory limit (ulimit -l), shrink size, or pass "
+                                   "pin_memory=False (the direct path then copies through pageable memory, "
+                                   "slower)") from exc
             weakref.finalize(buffer, _unregister, runtime, buffer.data_ptr())
         return buffer
 

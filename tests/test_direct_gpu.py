@@ -1,0 +1,174 @@
+"""The direct (copy-engine) path on a real GPU (marked ``gpu``).
+
+Every test compares the whole destination with a reference built by plain
+indexing, so rows nobody addressed must come out untouched, for both
+submission modes: one cudaMemcpy3DBatchAsync per transfer and one
+cudaMemcpy2DAsync per run.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from sglang_hicache_jit import direct
+from sglang_hicache_jit.errors import TransferIndexError
+
+pytestmark = pytest.mark.gpu
+
+MODES = ["batch", "2d"]
+
+
+def _bytes(shape, device="cpu", gen=None, pin=False):
+    t = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    t = t.to(device)
+    return t.pin_memory() if pin else t
+
+
+def _reference(dst, dst_idx, src, src_idx):
+    keep = (dst_idx >= 0) & (src_idx >= 0)
+    expected = dst.cpu().clone()
+    expected[dst_idx[keep].long().cpu()] = src.cpu()[src_idx[keep].long().cpu()]
+    return expected
+
+
+def _page_indices(pages, total_slots, page, gen, sort):
+    chosen = torch.randperm(total_slots // page, generator=gen)[:pages]
+    if sort:
+        chosen = chosen.sort().values
+    return (chosen[:, None] * page + torch.arange(page)).reshape(-1)
+
+
+def test_batch_call_is_available_with_this_runtime():
+    ok, why = direct.batch_status()
+    runtime = direct.cuda_runtime()
+    if runtime.version >= 12080:
+        assert ok, why
+    else:
+        assert not ok and "12.8" in why
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+@pytest.mark.parametrize("row_bytes", [1152, 576, 656, 4, 2048])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_page_first_layers_both_directions(mode, pinned, row_bytes, page):
+    """Host page_first layers (strided), device layers (packed): backup then load, all layers in one call."""
+    gen = torch.Generator().manual_seed(row_bytes * 131 + page)
+    layers, host_slots, dev_slots = 3, 1024, 512
+    host = _bytes((host_slots, layers, row_bytes), gen=gen, pin=pinned)
+    dev = [_bytes((dev_slots, row_bytes), "cuda", gen) for _ in range(layers)]
+    pages = dev_slots // page // 2
+    h = _page_indices(pages, host_slots, page, gen, sort=True)
+    d = _page_indices(pages, dev_slots, page, gen, sort=False)
+    h[5 % h.numel()] = -1  # padding
+
+    expected = host.clone()
+    for l in range(layers):
+        expected[:, l] = _reference(host[:, l], h, dev[l], d)
+    try:
+        used = direct.copy_rows([(host[:, l], dev[l]) for l in range(layers)], h, d, mode=mode)
+    except RuntimeError as exc:
+        if pinned or mode != "batch":
+            raise
+        pytest.skip(f"the batch call refuses pageable host memory here ('auto' uses 2-D copies for it): {exc}")
+    torch.cuda.synchronize()
+    assert used == mode and torch.equal(host, expected)
+
+    target = [_bytes((dev_slots, row_bytes), "cuda", gen) for _ in range(layers)]
+    wanted = [_reference(target[l], d, host[:, l], h) for l in range(layers)]
+    direct.copy_rows([(target[l], host[:, l]) for l in range(layers)], d, h, mode=mode)
+    torch.cuda.synchronize()
+    for l in range(layers):
+        assert torch.equal(target[l].cpu(), wanted[l])
+
+
+def test_auto_mode_sends_pageable_memory_as_2d_copies():
+    host, dev = torch.zeros((64, 16), dtype=torch.uint8), torch.ones((64, 16), dtype=torch.uint8, device="cuda")
+    assert direct.copy_rows([(host, dev)], torch.arange(4), torch.arange(4)) == "2d"
+    assert direct.copy_rows([(host.pin_memory(), dev)], torch.arange(4), torch.arange(4)) == "batch"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scattered_single_rows_and_long_runs(mode):
+    gen = torch.Generator().manual_seed(3)
+    host = _bytes((4096, 2, 256), gen=gen, pin=True)
+    dev = _bytes((4096, 256), "cuda", gen)
+    scattered_h, scattered_d = torch.randperm(4096, generator=gen)[:300], torch.randperm(4096, generator=gen)[:300]
+    long_h, long_d = torch.arange(1000, 3000), torch.arange(0, 2000)
+    for h, d in ((scattered_h, scattered_d), (long_h, long_d)):
+        expected = _reference(dev, d, host[:, 1], h)
+        direct.copy_rows([(dev, host[:, 1])], d, h, mode=mode)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), expected)
+
+
+def test_more_copies_than_one_batch_call_takes():
+    gen = torch.Generator().manual_seed(4)
+    n = direct.MAX_BATCH_OPS + 1234
+    host = _bytes((2 * n, 64), gen=gen, pin=True)
+    dev = _bytes((n, 64), "cuda", gen)
+    h = torch.randperm(2 * n, generator=gen)[:n]  # single-row runs: one copy each
+    d = torch.arange(n).flip(0)
+    expected = _reference(dev, d, host, h)
+    assert direct.copy_rows([(dev, host)], d, h, mode="batch") == "batch"
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_to_gpu_and_gpu_indices(mode):
+    gen = torch.Generator().manual_seed(5)
+    a, b = _bytes((512, 1152), "cuda", gen), _bytes((512, 1152), "cuda", gen)
+    d = torch.randperm(512, generator=gen)[:200].cuda()
+    s = torch.randperm(512, generator=gen)[:200].to(torch.int32).cuda()
+    expected = _reference(a, d, b, s)
+    direct.copy_rows([(a, b)], d, s, mode=mode)
+    torch.cuda.synchronize()
+    assert torch.equal(a.cpu(), expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
+def test_copies_are_ordered_on_the_current_stream(mode, side_stream):
+    """A long fill of the source is queued first; the copy must see its result."""
+    gen = torch.Generator().manual_seed(6)
+    src = torch.empty((1 << 16, 4096), dtype=torch.uint8, device="cuda")  # 256 MiB: the fill takes a while
+    host = torch.zeros((1 << 10, 4096), dtype=torch.uint8, pin_memory=True)
+    s = torch.randperm(1 << 16, generator=gen)[: 1 << 10]
+    d = torch.arange(1 << 10)
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        for value in (3, 7):
+            src.fill_(value)
+            direct.copy_rows([(host, src)], d, s, mode=mode)
+            stream.synchronize()
+            assert bool((host == value).all()), f"the copy ran before the fill (value {value})"
+
+
+def test_out_of_range_indices_raise_before_copying():
+    dev = torch.zeros((64, 16), dtype=torch.uint8, device="cuda")
+    host = torch.ones((64, 16), dtype=torch.uint8, pin_memory=True)
+    with pytest.raises(TransferIndexError, match="indices_dst holds index 64"):
+        direct.copy_rows([(dev, host)], torch.tensor([0, 64]), torch.tensor([0, 1]))
+    torch.cuda.synchronize()
+    assert not dev.any()
+    assert direct.copy_rows([(dev, host)], torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))
+
+
+def test_a_failing_batch_call_falls_back_once_and_batch_mode_raises(monkeypatch, caplog):
+    runtime = direct.cuda_runtime()
+    monkeypatch.setattr(runtime, "_batch", lambda *args: 1)  # cudaErrorInvalidValue
+    monkeypatch.setattr(direct, "_batch_failure", None)
+    dev = torch.zeros((64, 16), dtype=torch.uint8, device="cuda")
+    host = torch.arange(64 * 16, dtype=torch.int64).to(torch.uint8).view(64, 16).pin_memory()
+    idx = torch.arange(8, 24)
+    with pytest.raises(RuntimeError, match="cudaMemcpy3DBatchAsync"):
+        direct.copy_rows([(dev, host)], idx, idx, mode="batch")
+    with caplog.at_level(logging.WARNING, logger="sglang_hicache_jit.direct"):
+        assert direct.copy_rows([(dev, host)], idx, idx) == "2d"
+        assert direct.copy_rows([(dev, host)], idx, idx) == "2d"
+    torch.cuda.synchronize()
+    assert torch.equal(dev[8:24].cpu(), host[8:24]) and not dev[:8].any() and not dev[24:].any()
+    assert len([r for r in caplog.records if "cudaMemcpy3DBatchAsync failed" in r.getMessage()]) == 1
+    assert not direct.batch_status()[0]
