@@ -132,7 +132,8 @@ def run_demo(tokens: int = 16384, *, seed: int = 0) -> dict:
         "device": device, "device_name": name, "note": note,
         "shape": {"model": "DeepSeek-V3 MLA", "kv_cache_dim": KV_CACHE_DIM, "dtype": "bf16",
                   "row_bytes": pool.row_bytes, "layers": LAYERS, "page_size": PAGE_SIZE, "layout": pool.layout,
-                  "tokens": tokens, "host_slots": pool.size, "device_slots": device_slots, "bytes_per_transfer": nbytes},
+                  "tokens": tokens, "host_slots": pool.size, "device_slots": device_slots,
+                  "bytes_per_transfer": nbytes},
         "chosen_path": pool.transfer_path, "reason": pool.transfer_path_reason,
         "ceiling": ceiling, "results": results,
     }

@@ -159,7 +159,8 @@ def providers(device_pool, pool, host_idx, dev_idx, layer: int):
 
     return {
         # (a) kernel: raw op vs the pool
-        "raw-op load (1 layer)": ("h2d", one, lambda: ops.transfer_one_layer_mla(dev[layer], dev_idx, host_view, host_idx),
+        "raw-op load (1 layer)": ("h2d", one,
+                                  lambda: ops.transfer_one_layer_mla(dev[layer], dev_idx, host_view, host_idx),
                                   check_load([layer])),
         "pool kernel load (1 layer)": ("h2d", one, pool_call("load_to_device_per_layer", "auto", layer, "kernel"),
                                        check_load([layer])),
@@ -182,11 +183,13 @@ def providers(device_pool, pool, host_idx, dev_idx, layer: int):
     }
 
 
-def scramble(device_pool, pool, host_idx, dev_idx, layer_set) -> None:
-    """Overwrite what a provider is about to write, so its check proves it copied."""
+def scramble(device_pool, pool, host_idx, dev_idx, layer_set, direction: str) -> None:
+    """Zero the rows a provider is about to write (never its source), so its check proves it copied."""
     for l in layer_set:
-        device_pool.kv_buffer[l][dev_idx] = 0
-        pool.kv_buffer[host_idx, l] = 0
+        if direction == "h2d":
+            device_pool.kv_buffer[l][dev_idx] = 0
+        else:
+            pool.kv_buffer[host_idx, l] = 0
 
 
 # ---------------------------------------------------------------------------
@@ -254,8 +257,9 @@ def main(argv=None) -> int:
     probe_result = probe(KV_CACHE_DIM * 2)
     device_pool, pool, host_idx, dev_idx, register_s = make_setup(args.host_slots, args.device_slots, args.tokens, 0)
     batch_ok, batch_why = direct.batch_status()
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda_runtime": direct.cuda_runtime().version,
-           "probe": probe_result.as_dict(), "pool_path": pool.transfer_path, "pool_path_reason": pool.transfer_path_reason,
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "cuda_runtime": direct.cuda_runtime().version, "probe": probe_result.as_dict(),
+           "pool_path": pool.transfer_path, "pool_path_reason": pool.transfer_path_reason,
            "batch": batch_ok, "batch_reason": batch_why, "host_register_s": round(register_s, 3)}
     print(f"GPU {env['gpu']}, torch {env['torch']}, CUDA runtime {env['cuda_runtime']}")
     print(f"pool: {pool!r}\n  path {pool.transfer_path}: {pool.transfer_path_reason}\n  direct: {batch_why}")
@@ -268,13 +272,14 @@ def main(argv=None) -> int:
     layer = 3
     rows, failed = [], []
     for name, (direction, nbytes, fn, check) in providers(device_pool, pool, host_idx, dev_idx, layer).items():
-        if ("kernel" in name and pool.transfer_path != "kernel") or (name.startswith("raw") and not probe_result.available):
+        needs_kernel = "kernel" in name or name.startswith("raw")
+        if needs_kernel and pool.transfer_path != "kernel":
             print(f"  skip {name}: kernel unavailable")
             continue
         if "batch" in name and not batch_ok:
             print(f"  skip {name}: {batch_why}")
             continue
-        scramble(device_pool, pool, host_idx, dev_idx, [layer] if "1 layer" in name else range(LAYERS))
+        scramble(device_pool, pool, host_idx, dev_idx, [layer] if "1 layer" in name else range(LAYERS), direction)
         fn()
         torch.cuda.synchronize()
         exact = bool(check())
@@ -313,14 +318,16 @@ def main(argv=None) -> int:
     if not args.no_load:
         mm = make_matmul()
         flops = 2 * MATMUL_N ** 3 / mm[3] / 1e12
-        print(f"\nunder load: {MATMUL_N}^3 bf16 matmul alone {mm[3] * 1e3:.2f} ms ({flops:.0f} TFLOP/s), on another stream")
+        print(f"\nunder load: {MATMUL_N}^3 bf16 matmul alone {mm[3] * 1e3:.2f} ms ({flops:.0f} TFLOP/s), "
+              "on another stream")
         cases = []
         nbytes_one = host_idx.numel() * pool.row_bytes
         providers_now = providers(device_pool, pool, host_idx, dev_idx, layer)
         cases.append(("ceiling h2d (contiguous)", "h2d", nbytes_one, ceiling.call(nbytes_one, "h2d")))
         cases.append(("ceiling d2h (contiguous)", "d2h", nbytes_one * LAYERS, ceiling.call(nbytes_one * LAYERS, "d2h")))
-        for name in ("pool kernel load (1 layer)", "pool kernel backup (all layers)", "pool direct load (1 layer, batch)",
-                     "pool direct backup (all layers, batch)", "pool direct load (1 layer, 2d/run)"):
+        for name in ("pool kernel load (1 layer)", "pool kernel backup (all layers)",
+                     "pool direct load (1 layer, batch)", "pool direct backup (all layers, batch)",
+                     "pool direct load (1 layer, 2d/run)"):
             if name in by_name:
                 direction, nbytes, fn, _ = providers_now[name]
                 cases.append((name, direction, nbytes, fn))
