@@ -622,6 +622,7 @@ def test_batch_descriptor_matches_the_cuda_header(tmp_path):
 # ---------------------------------------------------------------------------
 # The demo, CPU edition.
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU demo (the GPU tests run the GPU one)")
 def test_demo_runs_on_cpu_and_verifies():
     out = subprocess.run([sys.executable, "-m", "sglang_hicache_jit", "demo", "--tokens", "1024", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)

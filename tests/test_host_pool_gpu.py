@@ -7,7 +7,12 @@ and pinned host pools. The kernel path must be the one the pool picks here
 out as one batched copy call where the CUDA runtime has it.
 """
 
+import json
+import subprocess
+import sys
+import time
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +141,19 @@ def test_pools_release_their_pinned_memory(monkeypatch):
         del page
         gc.collect()
         assert pointers[-1] in released
+
+
+def test_demo_on_the_gpu_checks_both_paths_quickly():
+    root = Path(__file__).resolve().parent.parent
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "sglang_hicache_jit", "demo", "--json"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - started
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["device"] == "cuda" and report["chosen_path"] == "kernel", report["reason"]
+    assert {(r["path"], r["op"]) for r in report["results"]} == {
+        ("kernel", "backup"), ("kernel", "load"), ("direct", "backup"), ("direct", "load")}
+    assert all(r["bit_exact"] for r in report["results"])
+    assert seconds < 60, f"the demo took {seconds:.1f} s"
+    print(json.dumps({r["path"] + " " + r["op"]: round(r["GBps"], 1) for r in report["results"]}))
