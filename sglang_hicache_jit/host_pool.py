@@ -103,6 +103,7 @@ class _DeviceSide:
         self.rows = [[direct.Rows(caches[c][l], f"device layer {l}") for l in range(start, end)]
                      for c in range(len(caches))]  # [cache][owned layer - start]
         self._table = None                       # ops.LayerTable over owned layers, built on first kernel use
+        self.pairs: dict = {}                    # direct.Pairs by ('load', host layer) or ('backup',)
 
     def table(self):
         if self._table is None:
@@ -169,8 +170,6 @@ class HostKVPool:
         self._host_table = None
         self.direct_mode = "auto"      # how the direct path submits CUDA copies: 'auto', 'batch' or '2d'
         self.last_direct_mode = None   # what the last direct transfer ran: 'batch', '2d' or 'torch'
-        self._load_pairs: dict[tuple[int, int], direct.Pairs] = {}
-        self._backup_pairs: dict[int, direct.Pairs] = {}
         self.transfer_path, self.transfer_path_reason = self._choose_path(first)
         _log_choice_once(self.transfer_path, self.transfer_path_reason)
         self.lock = threading.RLock()
@@ -323,12 +322,9 @@ class HostKVPool:
                                        self._host_rows[0][host_layer].tensor, self._host_rows[1][host_layer].tensor,
                                        host_rows)
             return
-        key = (id(side), host_layer)
-        pairs = self._load_pairs.get(key)
+        pairs = side.pairs.get(("load", host_layer))
         if pairs is None:
-            if len(self._load_pairs) >= 4 * self.layer_num:
-                self._load_pairs.clear()
-            pairs = self._load_pairs[key] = direct.Pairs(
+            pairs = side.pairs[("load", host_layer)] = direct.Pairs(
                 [(side.rows[c][host_layer], self._host_rows[c][host_layer]) for c in range(self.num_caches)])
         self._copy_direct(pairs, device_indices, host_indices, host_is_dst=False)
 
@@ -344,10 +340,9 @@ class HostKVPool:
             ops.transfer_all_layer(self._host_layer_table(), self.translate_host_indices(host_indices),
                                    side.table(), device_indices)
             return
-        pairs = self._backup_pairs.get(id(side))
+        pairs = side.pairs.get(("backup",))
         if pairs is None:
-            self._backup_pairs.clear()
-            pairs = self._backup_pairs[id(side)] = direct.Pairs(
+            pairs = side.pairs[("backup",)] = direct.Pairs(
                 [(self._host_rows[c][h], side.rows[c][h]) for h in range(self.layer_num)
                  for c in range(self.num_caches)])
         self._copy_direct(pairs, host_indices, device_indices, host_is_dst=True)
