@@ -41,6 +41,10 @@ MODES = ("auto", "batch", "2d")
 # Copies per cudaMemcpy3DBatchAsync call. The API documents no limit; chunking
 # bounds the descriptor array (112 B per copy) and keeps one call's CPU time short.
 MAX_BATCH_OPS = 8192
+# Largest flat block one copy moves. A packed run is one block of length * row
+# bytes, and CUDA caps a 2-D copy's pitch (cudaDevAttrMaxPitch, 2^31 - 1 on
+# current GPUs), so longer runs are cut into pieces of at most this size.
+MAX_COPY_BYTES = 1 << 30
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (UVA)
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read the source in stream order
 _OPERAND_TYPE_POINTER = 1  # cudaMemcpyOperandTypePointer
@@ -180,6 +184,20 @@ def find_runs(indices_dst, indices_src) -> Runs:
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1])
     ends = torch.cat([starts[1:], torch.tensor([dst.numel()])])
     return Runs(dst[starts], src[starts], ends - starts)
+
+
+def split_runs(runs: Runs, max_rows: int) -> Runs:
+    """The same copies with no run longer than ``max_rows`` slots."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be positive, got {max_rows}")
+    if not len(runs) or int(runs.length.max()) <= max_rows:
+        return runs
+    pieces = (runs.length + max_rows - 1) // max_rows
+    run_of_piece = torch.repeat_interleave(torch.arange(len(runs)), pieces)
+    first_piece = torch.cumsum(pieces, 0) - pieces
+    offset = (torch.arange(run_of_piece.numel()) - first_piece[run_of_piece]) * max_rows
+    length = torch.minimum(runs.length[run_of_piece] - offset, torch.tensor(max_rows))
+    return Runs(runs.dst_start[run_of_piece] + offset, runs.src_start[run_of_piece] + offset, length)
 
 
 def check_bounds(runs: Runs, dst_rows: int, src_rows: int) -> None:
@@ -454,6 +472,8 @@ def _copy_on_gpu(pairs: Pairs, runs: Runs, mode: str) -> str:
         raise RuntimeError(batch_status()[1])
     if not len(runs):
         return "batch" if use_batch else "2d"
+    if bool(pairs.packed.any()):
+        runs = split_runs(runs, max(1, MAX_COPY_BYTES // int(pairs.row_bytes.max())))
     words = describe_copies(pairs, runs)
     device = pairs.device
     with torch.cuda.device(device):

@@ -172,3 +172,16 @@ def test_a_failing_batch_call_falls_back_once_and_batch_mode_raises(monkeypatch,
     assert torch.equal(dev[8:24].cpu(), host[8:24]) and not dev[:8].any() and not dev[24:].any()
     assert len([r for r in caplog.records if "cudaMemcpy3DBatchAsync failed" in r.getMessage()]) == 1
     assert not direct.batch_status()[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_long_packed_runs_are_cut_into_pieces(monkeypatch, mode):
+    monkeypatch.setattr(direct, "MAX_COPY_BYTES", 1000)  # 15 rows of 64 B per piece
+    gen = torch.Generator().manual_seed(7)
+    host = _bytes((4096, 64), gen=gen, pin=True)
+    dev = _bytes((4096, 64), "cuda", gen)
+    d, s = torch.arange(100, 2100), torch.arange(7, 2007)
+    expected = _reference(dev, d, host, s)
+    direct.copy_rows([(dev, host)], d, s, mode=mode)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), expected)

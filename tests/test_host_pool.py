@@ -487,6 +487,22 @@ def test_find_runs_of_pages_are_one_run_per_contiguous_stretch(page_ids, page, o
     assert len(runs) == stretches and int(runs.length.sum()) == host.numel()
 
 
+@settings(max_examples=200, deadline=None)
+@given(index_lists, st.integers(1, 7))
+def test_split_runs_keeps_every_copy_and_caps_the_length(pairs, max_rows):
+    dst = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+    src = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+    runs = direct.find_runs(dst, src)
+    split = direct.split_runs(runs, max_rows)
+
+    def rows(r):
+        return sorted((d + i, s + i) for d, s, n in r.as_tuples() for i in range(n))
+
+    assert rows(split) == rows(runs)
+    assert all(0 < n <= max_rows for _, _, n in split.as_tuples())
+    assert len(split) == sum(-(-n // max_rows) for _, _, n in runs.as_tuples())
+
+
 def test_find_runs_rejects_bad_indices():
     with pytest.raises(ValueError, match="same length"):
         direct.find_runs(torch.arange(3), torch.arange(4))
