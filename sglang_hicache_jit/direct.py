@@ -11,11 +11,11 @@ on either side skips its pair. The flow:
 3. ``describe_copies``: one copy per run and pair. Rows of a run sit at a
    fixed stride on each side, so a run is one 2-D copy (width = row bytes,
    pitch = slot stride, height = run length); when both strides equal the row
-   size it is one flat copy of ``length * row`` bytes;
+   size it is one flat copy of ``length * row`` bytes (cut at MAX_COPY_BYTES);
 4. execution: CUDA tensors -> every copy of the transfer in one
    ``cudaMemcpy3DBatchAsync`` call (CUDA 12.8+), or one ``cudaMemcpy2DAsync``
-   per copy where the batch call is missing; CPU tensors (no GPU) -> one
-   tensor slice copy per run, so CI runs the same plan.
+   per copy where the batch call is missing or host memory is pageable; CPU
+   tensors (no GPU) -> one tensor slice copy per run, so CI runs the same plan.
 
 The CUDA runtime is the ``libcudart`` torch already loaded, called through
 ctypes on the current stream of the tensors' device. Steps 1-3 are pure
@@ -90,7 +90,7 @@ class Pairs:
     """The (dst, src) row pairs of one transfer, validated once and reused.
 
     All pairs share one index list per side. Pools build a Pairs per layer
-    (loads) and one over all layers (backups) at construction.
+    (loads) and one over all layers (backups) on first use and keep them.
     """
 
     def __init__(self, pairs):
