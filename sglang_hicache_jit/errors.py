@@ -65,5 +65,29 @@ class LockTimeoutError(HicacheJitError):
     code = "lock_timeout"
 
 
+class UnsafeCacheError(HicacheJitError):
+    """A cache path that other users could write to, or that another user owns."""
+
+    code = "unsafe_cache"
+
+
+class BundleError(HicacheJitError):
+    """A bundle that cannot be imported; nothing was changed.
+
+    Codes: ``bundle_unsafe`` (a member that could write outside the cache: an
+    absolute path, '..', a link or a device), ``bundle_corrupt`` (a checksum,
+    manifest or key that does not hold), ``bundle_mismatch`` (built for another
+    torch, CUDA, Python or package version), ``bundle_unreadable``.
+    """
+
+    code = "bundle_corrupt"
+
+
+class RemoteError(HicacheJitError):
+    """An fsspec URL that cannot be used. Codes: ``no_fsspec``, ``remote_failed``."""
+
+    code = "remote_failed"
+
+
 class TransferIndexError(IndexError):
     """A kernel met an index past the end of its pool and skipped that row."""

@@ -7,6 +7,7 @@ change the environment before the first build.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 CACHE_DIR = "SGLANG_HICACHE_JIT_CACHE_DIR"
@@ -16,6 +17,9 @@ STRICT = "SGLANG_HICACHE_JIT_STRICT"
 METHOD = "SGLANG_HICACHE_JIT_METHOD"
 LOCK_TIMEOUT = "SGLANG_HICACHE_JIT_LOCK_TIMEOUT"
 BUILD_JOBS = "SGLANG_HICACHE_JIT_BUILD_JOBS"
+PREBUILT_DIRS = "SGLANG_HICACHE_JIT_PREBUILT_DIRS"
+CACHE_MAX_SIZE = "SGLANG_HICACHE_JIT_CACHE_MAX_SIZE"
+LOCK_DIR = "SGLANG_HICACHE_JIT_LOCK_DIR"
 TORCH_ARCH_LIST = "TORCH_CUDA_ARCH_LIST"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -84,3 +88,46 @@ def build_jobs() -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{BUILD_JOBS} must be a positive integer; got {value!r}")
     return int(value)
+
+
+# A ':'-separated list like PATH, except that a URL keeps its own colons
+# ('s3://bucket/x', 'http://host:8080/x'): a scheme, '//', and a port are not separators.
+_LIST_ITEM = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/:]*(?::\d+)?[^:]*|[^:]+")
+
+
+def split_path_list(text: str) -> list[str]:
+    return [item.strip() for item in _LIST_ITEM.findall(text) if item.strip()]
+
+
+def prebuilt_dirs() -> list[str]:
+    """Read-only prebuilt layers (directories or fsspec URLs), searched in order before the cache."""
+    return split_path_list(os.environ.get(PREBUILT_DIRS, ""))
+
+
+def lock_dir() -> Path | None:
+    """Where build locks live when not inside the cache (a node-local path for a cache on NFS)."""
+    value = os.environ.get(LOCK_DIR, "").strip()
+    return Path(value).expanduser() if value else None
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'500M', '10G', '1.5GiB', '4096' -> bytes (K/M/G/T are powers of 1024, as du and df count)."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"{text!r} is not a size; write it like 500M, 10G or 1.5T (or a number of bytes)")
+    number, unit, _ = match.groups()
+    return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))
+
+
+def cache_max_size() -> int | None:
+    """Size cap applied to the cache after each build or import; None: no cap."""
+    value = os.environ.get(CACHE_MAX_SIZE, "").strip()
+    if not value:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{CACHE_MAX_SIZE}: {exc}") from None
