@@ -40,7 +40,7 @@ def compile_entry(spec: BuildSpec, key: str, tools: BuildTools, staging: Path) -
     build_dir = staging / "build"
     entry_dir = staging / "entry"
     for directory in (src_dir, build_dir, entry_dir):
-        directory.mkdir()
+        directory.mkdir(mode=0o700)
     for filename, data in spec.files:
         (src_dir / filename).write_bytes(data)
 

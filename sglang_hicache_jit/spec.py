@@ -56,6 +56,11 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def derive_key(abi_key: str, toolkit_identity: str) -> str:
+    """The cache key of a build of ``abi_key`` by a toolkit (also used to check manifests)."""
+    return _sha256(f"{abi_key}:{toolkit_identity}".encode())[:16]
+
+
 @dataclass(frozen=True)
 class BuildSpec:
     """One library to build: a kernel set for a tuple of archs."""
@@ -109,7 +114,7 @@ class BuildSpec:
         return _sha256(json.dumps(self.abi_components, sort_keys=True).encode())[:16]
 
     def key(self, toolkit_identity: str) -> str:
-        return _sha256(f"{self.abi_key}:{toolkit_identity}".encode())[:16]
+        return derive_key(self.abi_key, toolkit_identity)
 
     def extension_name(self, key: str) -> str:
         """The library's file stem and torch op namespace: unique per build."""

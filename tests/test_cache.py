@@ -5,32 +5,38 @@ import json
 import pytest
 
 from sglang_hicache_jit.cache import BuildCache, CorruptEntry, verify_entry, write_manifest
+from sglang_hicache_jit.spec import derive_key
+
+# Keys must follow from the ABI key and the toolkit (verify_entry checks it).
+AA = derive_key("abi1", "cuda-13.0-nvccA")
+BB = derive_key("abi1", "cuda-13.0-nvccB")
+_TOOLKITS = {AA: "cuda-13.0-nvccA", BB: "cuda-13.0-nvccB"}
 
 
 def _staged(cache: BuildCache, key: str, payload: bytes = b"\x7fELF fake library") -> "Path":
     staging = cache.new_staging_dir(f"k-{key}") / "entry"
     staging.mkdir()
-    (staging / "lib.so").write_bytes(payload)
+    (staging / f"k_{key}.so").write_bytes(payload)
     (staging / "build.log").write_text("ok\n")
-    write_manifest(staging, {"name": f"k_{key}", "kernel": "k", "key": key, "abi_key": "abi1", "library": "lib.so",
-                             "log": "build.log"})
+    write_manifest(staging, {"name": f"k_{key}", "kernel": "k", "key": key, "abi_key": "abi1",
+                             "toolkit": _TOOLKITS[key], "library": f"k_{key}.so", "log": "build.log"})
     return staging
 
 
 def test_publish_then_lookup(tmp_path):
     cache = BuildCache(tmp_path)
-    entry = cache.publish(_staged(cache, "aa"), "sm90", "k", "aa")
-    assert entry.path == cache.entry_path("sm90", "k", "aa")
-    assert cache.lookup("sm90", "k", "aa").manifest["sha256"] == entry.manifest["sha256"]
-    assert cache.lookup("sm90", "k", "bb") is None
-    assert cache.find_abi("sm90", "k", "abi1").key == "aa"
+    entry = cache.publish(_staged(cache, AA), "sm90", "k", AA)
+    assert entry.path == cache.entry_path("sm90", "k", AA)
+    assert cache.lookup("sm90", "k", AA).manifest["sha256"] == entry.manifest["sha256"]
+    assert cache.lookup("sm90", "k", BB) is None
+    assert cache.find_abi("sm90", "k", "abi1").key == AA
     assert cache.find_abi("sm90", "k", "other") is None
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "manifest", "no_manifest", "wrong_key"])
 def test_damaged_entries_are_refused(tmp_path, damage):
     cache = BuildCache(tmp_path)
-    entry = cache.publish(_staged(cache, "aa"), "sm90", "k", "aa")
+    entry = cache.publish(_staged(cache, AA), "sm90", "k", AA)
     if damage == "truncate":
         entry.library.write_bytes(entry.library.read_bytes()[:5])
     elif damage == "flip":
@@ -43,29 +49,29 @@ def test_damaged_entries_are_refused(tmp_path, damage):
         (entry.path / "manifest.json").unlink()
     elif damage == "wrong_key":
         manifest = json.loads((entry.path / "manifest.json").read_text())
-        manifest["key"] = "bb"
+        manifest["key"] = BB
         (entry.path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CorruptEntry):
-        cache.lookup("sm90", "k", "aa")
+        cache.lookup("sm90", "k", AA)
 
 
 def test_publish_replaces_a_corrupt_entry(tmp_path):
     cache = BuildCache(tmp_path)
-    first = cache.publish(_staged(cache, "aa", b"one"), "sm90", "k", "aa")
+    first = cache.publish(_staged(cache, AA, b"one"), "sm90", "k", AA)
     first.library.write_bytes(b"garbage that does not match")
-    second = cache.publish(_staged(cache, "aa", b"two"), "sm90", "k", "aa")
+    second = cache.publish(_staged(cache, AA, b"two"), "sm90", "k", AA)
     assert second.library.read_bytes() == b"two"
-    assert verify_entry(second.path, key="aa")
+    assert verify_entry(second.path, key=AA)
 
 
 def test_failure_records_round_trip_and_clean(tmp_path):
     cache = BuildCache(tmp_path)
-    log = cache.record_failure("sm90", "k", "aa", "nvcc said no", "error: line 3\n")
-    record = cache.read_failure("sm90", "k", "aa")
+    log = cache.record_failure("sm90", "k", AA, "nvcc said no", "error: line 3\n")
+    record = cache.read_failure("sm90", "k", AA)
     assert record["reason"] == "nvcc said no" and record["log_path"] == str(log)
     assert log.read_text() == "error: line 3\n"
     removed = cache.clean(failed_only=True)
-    assert len(removed) == 2 and cache.read_failure("sm90", "k", "aa") is None
+    assert len(removed) == 2 and cache.read_failure("sm90", "k", AA) is None
 
 
 def test_cache_directories_are_private(tmp_path):
