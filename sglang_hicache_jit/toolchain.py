@@ -175,20 +175,26 @@ class BuildTools:
 
 
 @functools.lru_cache(maxsize=None)
-def _build_tools(home: str, version: str, found_by: str) -> BuildTools:
-    toolkit = Toolkit(Path(home), version, found_by)
+def nvcc_facts(home: str) -> tuple[str, str, frozenset]:
+    """Runs nvcc once per process: (its 'release X.Y, VX.Y.Z' line, its major version,
+    the compute capabilities it can target, e.g. {"90", "100"})."""
+    nvcc = Path(home) / "bin" / "nvcc"
     try:
-        version_text = _run([str(toolkit.nvcc), "--version"])
-        arch_text = _run([str(toolkit.nvcc), "--list-gpu-arch"])
+        version_text = _run([str(nvcc), "--version"])
+        arch_text = _run([str(nvcc), "--list-gpu-arch"])
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ToolchainError(
-            f"{toolkit.nvcc} does not run: {exc}", "repair the CUDA toolkit install or point CUDA_HOME at a working one.",
+            f"{nvcc} does not run: {exc}", "repair the CUDA toolkit install or point CUDA_HOME at a working one.",
             code="no_nvcc",
         ) from None
     release = re.search(r"release (\d+)\.(\d+).*", version_text)
     nvcc_version = release.group(0).strip() if release else version_text.strip().splitlines()[-1]
-    archs = frozenset(re.findall(r"compute_(\d+)", arch_text))
+    major = release.group(1) if release else ""
+    return nvcc_version, major, frozenset(re.findall(r"compute_(\d+)", arch_text))
 
+
+def check_cuda_agreement(nvcc: Path, nvcc_major: str) -> None:
+    """ToolchainError unless torch is a CUDA build of the same major version as nvcc."""
     torch_cuda = torch_info()["cuda"]
     if torch_cuda is None:
         raise ToolchainError(
@@ -196,15 +202,16 @@ def _build_tools(home: str, version: str, found_by: str) -> BuildTools:
             "install a CUDA build of torch (e.g. pip install torch from the CUDA index).",
             code="cuda_version_mismatch",
         )
-    nvcc_major = release.group(1) if release else version.split(".")[0]
     if nvcc_major != torch_cuda.split(".")[0]:
         raise ToolchainError(
-            f"nvcc at {toolkit.nvcc} is CUDA {nvcc_major}.x but torch was built with CUDA {torch_cuda}.",
+            f"nvcc at {nvcc} is CUDA {nvcc_major}.x but torch was built with CUDA {torch_cuda}.",
             f"install CUDA {torch_cuda.split('.')[0]}.x and set CUDA_HOME to it, or install a torch "
             f"built for CUDA {nvcc_major}.",
             code="cuda_version_mismatch",
         )
 
+
+def require_ninja() -> str:
     ninja = find_ninja()
     if ninja is None:
         raise ToolchainError(
@@ -212,6 +219,11 @@ def _build_tools(home: str, version: str, found_by: str) -> BuildTools:
             "pip install ninja",
             code="no_ninja",
         )
+    return ninja
+
+
+def require_cxx() -> tuple[str, str]:
+    """The host C++ compiler ($CXX, else c++) and its version line."""
     cxx = os.environ.get("CXX", "c++")
     cxx_path = shutil.which(cxx)
     if cxx_path is None:
@@ -224,19 +236,36 @@ def _build_tools(home: str, version: str, found_by: str) -> BuildTools:
         cxx_version = _run([cxx_path, "--version"]).splitlines()[0]
     except (OSError, subprocess.TimeoutExpired, IndexError):
         cxx_version = "unknown"
+    return cxx_path, cxx_version
+
+
+@functools.lru_cache(maxsize=None)
+def _build_tools(home: str, version: str, found_by: str) -> BuildTools:
+    toolkit = Toolkit(Path(home), version, found_by)
+    nvcc_version, nvcc_major, archs = nvcc_facts(home)
+    check_cuda_agreement(toolkit.nvcc, nvcc_major or version.split(".")[0])
+    ninja = require_ninja()
+    cxx_path, cxx_version = require_cxx()
     return BuildTools(toolkit, nvcc_version, archs, ninja, cxx_path, cxx_version)
+
+
+def unsupported_archs(archs: tuple[Arch, ...], nvcc_archs: frozenset) -> list[Arch]:
+    return [a for a in archs if a.number.rstrip("af") not in nvcc_archs]
+
+
+def describe_nvcc_archs(nvcc_archs: frozenset) -> str:
+    return ", ".join(f"{int(n) // 10}.{int(n) % 10}" for n in sorted(nvcc_archs, key=int))
 
 
 def check_build_tools(archs: tuple[Arch, ...]) -> BuildTools:
     """Everything a build needs, or a ToolchainError / ArchUnsupportedError saying what is missing."""
     toolkit = require_toolkit()
     tools = _build_tools(str(toolkit.home), toolkit.version, toolkit.found_by)
-    missing = [str(a) for a in archs if a.number.rstrip("af") not in tools.nvcc_archs]
+    missing = [str(a) for a in unsupported_archs(archs, tools.nvcc_archs)]
     if missing:
-        supported = ", ".join(f"{int(n) // 10}.{int(n) % 10}" for n in sorted(tools.nvcc_archs, key=int))
         raise ArchUnsupportedError(
             f"nvcc {tools.nvcc_version} at {toolkit.nvcc} cannot target {', '.join(missing)} "
-            f"(it supports {supported}).",
+            f"(it supports {describe_nvcc_archs(tools.nvcc_archs)}).",
             "name an arch this nvcc supports, or install a CUDA toolkit that supports it.",
         )
     return tools
