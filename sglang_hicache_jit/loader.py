@@ -1,11 +1,18 @@
 """Finds, builds and loads the kernel library: the orchestration only.
 
-    archs (arch.py) -> spec and key (spec.py) -> cache lookup (cache.py)
+    archs (arch.py) -> spec and key (spec.py)
+      -> read-only prebuilt layers (SGLANG_HICACHE_JIT_PREBUILT_DIRS, local paths)
+      -> the writable cache (cache.py)
+      -> remote prebuilt layers (fsspec URLs, remote.py): copied into the cache
       -> on a miss: check tools (toolchain.py) -> lock -> look again
-         -> compile in staging (build.py) -> verify -> publish -> load
+         -> compile in staging (build.py) -> verify -> publish -> size cap (prune.py)
+    -> load: open the library, check owner, mode and sha256 on that open file, dlopen it
 
-A warm hit reads the manifest, checks the library's sha256 and loads it with
-``torch.ops.load_library``: no lock, no ninja, no compiler subprocess.
+A warm hit reads the manifest, checks the library's sha256 and loads it: no
+lock, no ninja, no compiler subprocess. ``load_kernels`` also makes sure the
+library has machine code (SASS) for the GPU it is for: a build that would only
+run through the driver's PTX JIT (slower, and compiled at every start) is
+refused, or replaced by a build for that GPU.
 
 Across processes one build runs at a time per entry: the builder holds a
 ``filelock`` (an OS lock, released by the kernel if the builder is killed, so
@@ -27,11 +34,12 @@ from pathlib import Path
 
 import filelock
 
-from . import settings
-from .arch import Arch, resolve_archs
+from . import remote, settings
+from .arch import Arch, current_gpu_capability, resolve_archs
 from .build import compile_entry
-from .cache import BuildCache, CorruptEntry, Entry
-from .errors import BuildFailedError, DisabledError, LockTimeoutError, NotBuiltError
+from .cache import BuildCache, CorruptEntry, Entry, open_verified, sass_numbers, touch_used
+from .errors import (ArchUnsupportedError, BuildFailedError, DisabledError, HicacheJitError, LockTimeoutError,
+                     NotBuiltError, RemoteError)
 from .spec import BuildSpec
 from .toolchain import check_build_tools, find_toolkit, require_toolkit
 
@@ -42,7 +50,9 @@ _WAIT_LOG_SECONDS = 5.0
 
 @dataclass(frozen=True)
 class BuildResult:
-    """What ``ensure_built`` did: action is 'built', 'cached' or 'waited'."""
+    """What ``ensure_built`` did: action is 'built', 'cached' (in the writable
+    cache), 'prebuilt' (in a read-only layer), 'fetched' (copied from a remote
+    layer) or 'waited' (another process built it meanwhile)."""
 
     kernel: str
     archs: tuple[Arch, ...]
@@ -63,13 +73,16 @@ class KernelLibrary:
     archs: tuple[Arch, ...]
     entry: Entry
     ops: object = field(repr=False)
+    fd: int = field(default=-1, repr=False)  # the verified library, kept open (see load_entry)
 
     @property
     def path(self) -> Path:
         return self.entry.library
 
     def supports(self, capability: tuple[int, int]) -> bool:
-        return any(a.runs_on(capability) for a in self.archs)
+        """True when the library has machine code (not just PTX) that runs on ``capability``."""
+        sass = sass_numbers(self.entry.manifest)
+        return any(a.runs_on(capability) and a.number in sass for a in self.archs)
 
 
 _loaded: dict[str, KernelLibrary] = {}            # by extension name (= op namespace)
@@ -77,8 +90,18 @@ _by_archs: dict[tuple, KernelLibrary] = {}        # memo for load_kernels
 _process_lock = threading.RLock()                 # one build or load at a time in this process
 
 
-def _cache() -> BuildCache:
+def writable_cache() -> BuildCache:
     return BuildCache(settings.cache_root())
+
+
+def prebuilt_layers() -> list[BuildCache]:
+    """The local read-only layers of SGLANG_HICACHE_JIT_PREBUILT_DIRS, in the order named."""
+    return [BuildCache(Path(p).expanduser(), prebuilt=True) for p in settings.prebuilt_dirs() if not remote.is_url(p)]
+
+
+def remote_layers() -> list[str]:
+    """The fsspec URLs of SGLANG_HICACHE_JIT_PREBUILT_DIRS (consulted after the local cache)."""
+    return [p for p in settings.prebuilt_dirs() if remote.is_url(p)]
 
 
 @contextmanager
@@ -135,25 +158,48 @@ def _fail_fast(cache: BuildCache, spec: BuildSpec, key: str, newer_than: float |
     )
 
 
+def find_entry(spec: BuildSpec, key: str | None, toolkit: str | None, cache: BuildCache
+               ) -> tuple[Entry, str] | None:
+    """A usable entry without building: prebuilt layers, the cache, remote layers.
+    Returns it with the action to report. A corrupt exact entry in the writable
+    cache is discarded (the caller rebuilds it)."""
+    for layer in prebuilt_layers():
+        entry = layer.find(spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit)
+        if entry is not None:
+            return entry, "prebuilt"
+    try:
+        entry = cache.find(spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit)
+        if entry is not None:
+            return entry, "cached"
+    except CorruptEntry as exc:
+        log.warning("discarding a corrupt cache entry and rebuilding: %s", exc)
+    for url in remote_layers():
+        try:
+            entry = remote.fetch_entry(url, cache, spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit)
+        except (RemoteError, OSError) as exc:  # a layer that is down must not stop a build
+            log.warning("prebuilt layer %s skipped: %s", url, exc)
+            continue
+        if entry is not None:
+            return entry, "fetched"
+    return None
+
+
 def ensure_built(archs: tuple[Arch, ...], *, build: bool = True, retry_failed: bool = False) -> BuildResult:
     """Makes sure a verified entry exists for ``archs``; builds it when needed and allowed."""
     started = time.time()
     spec = BuildSpec.for_archs(archs)
-    cache = _cache()
+    cache = writable_cache()
     toolkit = find_toolkit()
-    if toolkit is None:
-        # No compiler here: any verified entry for this torch/Python ABI will do.
-        entry = cache.find_abi(spec.arch_tag, spec.kernel, spec.abi_key)
-        if entry is not None:
-            return BuildResult(spec.kernel, spec.archs, "cached", 0.0, entry)
+    identity = toolkit.identity if toolkit is not None else None
+    # Without a compiler here, any verified entry of this ABI will do (cache.acceptable).
+    key = spec.key(identity) if identity is not None else None
+    found = find_entry(spec, key, identity, cache)
+    if found is not None:
+        entry, action = found
+        return BuildResult(spec.kernel, spec.archs, action, time.time() - started if action == "fetched" else 0.0,
+                           entry)
+    if key is None:
         require_toolkit()  # raises the no_nvcc error
-    key = spec.key(toolkit.identity)
-    try:
-        entry = cache.lookup(spec.arch_tag, spec.kernel, key)
-        if entry is not None:
-            return BuildResult(spec.kernel, spec.archs, "cached", 0.0, entry)
-    except CorruptEntry as exc:
-        log.warning("discarding a corrupt cache entry and rebuilding: %s", exc)
     if not retry_failed:
         _fail_fast(cache, spec, key)
     if not build:
@@ -162,6 +208,7 @@ def ensure_built(archs: tuple[Arch, ...], *, build: bool = True, retry_failed: b
             f"run `sglang-hicache-jit prewarm --arch '{';'.join(map(str, spec.archs))}'`.",
         )
     tools = check_build_tools(spec.archs)
+    cache.ensure_root()  # refuses a cache directory other users could write to
     with _process_lock, _build_lock(cache, spec, key) as waited:
         try:
             entry = cache.lookup(spec.arch_tag, spec.kernel, key)
@@ -171,7 +218,12 @@ def ensure_built(archs: tuple[Arch, ...], *, build: bool = True, retry_failed: b
             cache.discard_corrupt(spec.arch_tag, spec.kernel, key)
         # A failure recorded while we waited is final for this call; an older one is retried only on request.
         _fail_fast(cache, spec, key, newer_than=started if retry_failed else None)
-        return _build(cache, spec, key, tools)
+        result = _build(cache, spec, key, tools)
+    if result.action == "built":
+        from .prune import apply_size_cap  # housekeeping after a publication, never on the warm path
+
+        apply_size_cap(cache, keep=(result.entry.path,))
+    return result
 
 
 def _build(cache: BuildCache, spec: BuildSpec, key: str, tools) -> BuildResult:
@@ -201,34 +253,125 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _dlopen(fd: int, entry: Entry) -> None:
+    """Loads the library through its verified open file. torch.ops.load_library
+    would resolve /proc/self/fd/N back to the path (realpath), so this does
+    what it does (ctypes.CDLL, then record the path) on the descriptor."""
+    import ctypes
+
+    import torch
+
+    fd_path = f"/proc/self/fd/{fd}"
+    if not os.path.exists(fd_path):  # no /proc (not Linux): load by path, checked just before
+        torch.ops.load_library(str(entry.library))
+        return
+    ctypes.CDLL(fd_path)
+    torch.ops.loaded_libraries.add(str(entry.library))
+
+
 def load_entry(entry: Entry, archs: tuple[Arch, ...]) -> KernelLibrary:
-    """Loads a verified entry into this process (once per build)."""
+    """Loads a verified entry into this process (once per build).
+
+    The library is opened once, checked on that open file (owner and mode,
+    size, sha256) and loaded through it, so what runs is what was checked even
+    if the entry is pruned or replaced meanwhile. The descriptor stays open:
+    glibc recognises an already loaded library by its path string, so a
+    /proc/self/fd/N path must never be reused for another library.
+    Raises CorruptEntry when the library vanished or changed since the lookup.
+    """
     name = entry.manifest["name"]
     with _process_lock:
         library = _loaded.get(name)
         if library is None:
-            import torch
+            fd = open_verified(entry)
+            try:
+                import torch
 
-            torch.ops.load_library(str(entry.library))
-            library = KernelLibrary(name, archs, entry, getattr(torch.ops, name))
+                _dlopen(fd, entry)
+                library = KernelLibrary(name, archs, entry, getattr(torch.ops, name), fd)
+            except BaseException:
+                os.close(fd)
+                raise
             _loaded[name] = library
+            touch_used(entry)
     return library
+
+
+def _load(archs: tuple[Arch, ...], build: bool) -> KernelLibrary:
+    """ensure_built + load_entry, looking again when the entry vanished or changed in between
+    (a prune or a rebuild by another process)."""
+    problem = None
+    for _ in range(3):
+        result = ensure_built(archs, build=build)
+        try:
+            return load_entry(result.entry, archs)
+        except CorruptEntry as exc:
+            problem = exc
+            log.info("the cache entry changed while loading it (%s); looking again", exc)
+    raise NotBuiltError(
+        f"The cache entry for {';'.join(map(str, archs))} was removed or changed three times while loading it "
+        f"({problem}).",
+        "check for a process that prunes or rewrites the cache in a loop (a tiny "
+        f"{settings.CACHE_MAX_SIZE}?), then retry.",
+    )
 
 
 def load_kernels(arch: str | None = None, *, device: int | None = None, build: bool = True) -> KernelLibrary:
     """The kernel library for ``arch`` (default: SGLANG_HICACHE_JIT_ARCH, then
     TORCH_CUDA_ARCH_LIST, then the GPU ``device``, by default the current one),
-    compiling it on first use. build=False only loads what is already cached."""
+    compiling it on first use. build=False only loads what is already cached.
+
+    When the library is for a GPU (``arch`` not given, or ``device`` given) it
+    must hold machine code for that GPU: an arch list from the environment that
+    lacks it (PTX at most) is replaced by a build for the GPU's own arch, with a
+    warning; ArchUnsupportedError says why when that cannot be done.
+    """
     if settings.disabled():
         raise DisabledError(f"The JIT kernels are disabled by {settings.DISABLE}=1.",
                             f"unset {settings.DISABLE} to use them.")
-    archs, _ = resolve_archs(arch, device)
-    library = _by_archs.get(archs)
+    archs, source = resolve_archs(arch, device)
+    capability = None
+    if source != "current GPU" and (arch is None or device is not None):
+        capability = current_gpu_capability(device)
+    memo = (archs, capability)
+    library = _by_archs.get(memo)
     if library is None:
-        result = ensure_built(archs, build=build)
-        library = load_entry(result.entry, archs)
-        _by_archs[archs] = library
+        if capability is not None and not any(a.runs_on(capability) for a in archs):
+            library = _load_for_gpu(archs, source, capability, device, build)
+        else:
+            library = _load(archs, build)
+        if capability is not None and not library.supports(capability):
+            raise ArchUnsupportedError(
+                f"The library {library.path} has no machine code for compute capability "
+                f"{capability[0]}.{capability[1]} (its manifest lists SASS for "
+                f"{', '.join(sorted(sass_numbers(library.entry.manifest))) or 'nothing'}).",
+                "run `sglang-hicache-jit clean` and build again; if it persists, report it.",
+            )
+        _by_archs[memo] = library
     return library
+
+
+def _load_for_gpu(archs: tuple[Arch, ...], source: str, capability: tuple[int, int], device: int | None,
+                  build: bool) -> KernelLibrary:
+    """``archs`` (named by ``source``) has no machine code for the GPU: load a build for the GPU's arch
+    instead, or say why that is not possible."""
+    named = ";".join(map(str, archs))
+    gpu = Arch(*capability)
+    where = f"cuda:{device}" if device is not None else "the current GPU"
+    problem = f"{source}={named} has no machine code for {where} (compute capability {gpu})"
+    if any(a.ptx for a in archs):
+        problem += "; its PTX would be JIT-compiled by the driver at every start into a slower path"
+    if source == "argument":
+        raise ArchUnsupportedError(f"load_kernels({named!r}) has no machine code for {where} (compute capability "
+                                   f"{gpu}).", f"pass an arch list that includes {gpu}, or leave arch unset.")
+    log.warning("%s; using a build for %s instead", problem, gpu)
+    try:
+        return _load((gpu,), build)
+    except HicacheJitError as exc:
+        raise ArchUnsupportedError(
+            f"{problem}, and a build for {gpu} cannot be had here: {exc.reason}",
+            f"add {gpu} to {source} and prewarm it where nvcc is installed, or: {exc.fix}",
+        ) from exc
 
 
 def loaded_libraries() -> list[KernelLibrary]:
