@@ -178,6 +178,77 @@ def cmd_clean(args) -> int:
     return 0
 
 
+def _print_bundle(report, args, verb: str) -> None:
+    if args.json:
+        print(json.dumps({"bundle": report.path, "entries": report.entries, "notes": report.notes}, indent=2))
+        return
+    for e in report.entries:
+        print(f"hicache_transfer  {e['arch']:<10} {e['action']:<8} {e['path']}")
+    for note in report.notes:
+        print(f"note: {note}")
+    print(f"{verb} {len(report.entries)} entries {'to' if verb == 'exported' else 'from'} {report.path}")
+
+
+def cmd_export(args) -> int:
+    from .bundle import export_bundle
+
+    try:
+        report = export_bundle(_archs_from(args.arch), args.output)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except HicacheJitError as exc:
+        print(f"error [{exc.code}]: {exc}", file=sys.stderr)
+        return 1
+    _print_bundle(report, args, "exported")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from .bundle import import_bundle
+
+    try:
+        report = import_bundle(args.bundle, into=args.into)
+    except HicacheJitError as exc:
+        print(f"error [{exc.code}]: {exc}", file=sys.stderr)
+        return 1
+    _print_bundle(report, args, "imported")
+    return 0
+
+
+def cmd_prune(args) -> int:
+    from .cache import BuildCache
+    from .prune import prune
+
+    try:
+        max_size = settings.parse_size(args.max_size) if args.max_size is not None else settings.cache_max_size()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report = prune(BuildCache(settings.cache_root()), max_size=max_size, older_than_days=args.older_than)
+    if args.json:
+        print(json.dumps({"removed": [{"path": str(p), "reason": why, "bytes": size} for p, why, size in report.removed],
+                          "skipped_locked": [str(p) for p in report.skipped_locked],
+                          "bytes_before": report.total_before, "bytes_after": report.total_after}, indent=2))
+        return 0
+    for path, why, size in report.removed:
+        print(f"removed {path} ({size / 1e6:.1f} MB): {why}")
+    for path in report.skipped_locked:
+        print(f"kept    {path}: another process is building or importing it")
+    print(f"{len(report.removed)} removed, {report.freed / 1e6:.1f} MB freed; entries now "
+          f"{report.total_after / 1e6:.1f} MB under {settings.cache_root()}")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from .doctor import as_json, format_checks, run_checks
+
+    checks = run_checks(args.arch)
+    result = as_json(checks)
+    print(json.dumps(result, indent=2) if args.json else format_checks(checks))
+    return 0 if result["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang-hicache-jit",
@@ -216,6 +287,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("clean", help="remove cache entries (or only failed-build records)")
     p.add_argument("--failed", action="store_true", help="only forget failed builds, so they are retried")
     p.set_defaults(func=cmd_clean)
+
+    p = sub.add_parser("export", help="pack the built kernels for some archs into a bundle (building missing ones)")
+    p.add_argument("--arch", required=True, help="arch list, e.g. '9.0' or '8.0;9.0;10.0' (each built separately)")
+    p.add_argument("-o", "--output", required=True, help="bundle file (.tar.gz) or fsspec URL to write")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="verify a bundle and add its entries to the cache (or to a prebuilt layer)")
+    p.add_argument("bundle", help="bundle file (.tar.gz) or fsspec URL")
+    p.add_argument("--into", help="directory to import into, e.g. a future prebuilt layer (default: the cache)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("prune", help="remove least recently used and stale entries, failed-build records, debris")
+    p.add_argument("--max-size", help=f"keep the entries under this size, e.g. 500M or 10G (default: "
+                                      f"${settings.CACHE_MAX_SIZE}, else no size limit)")
+    p.add_argument("--older-than", type=float, metavar="DAYS", help="remove entries not loaded for DAYS days")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser("doctor", help="check nvcc, ninja, the host compiler, versions, archs, the cache and the "
+                       "prebuilt layers; print a fix for each problem (exit 1 when there is one)")
+    p.add_argument("--arch", help="archs to check (default: what load_kernels() would load here)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 
