@@ -308,8 +308,11 @@ def import_bundle(source: str, into: str | Path | None = None) -> BundleReport:
             raise BundleError(f"{path} is damaged: {exc}.", "download or export it again.",
                               code="bundle_unreadable") from None
         files = check_members(members)  # before anything is written
+        # Directories this import creates, removed again if it fails: a refused bundle leaves no trace.
+        created = [p for p in (cache.root, cache.layout_root, cache.layout_root / ".staging") if not p.exists()]
         cache.ensure_root()
         staging = cache.new_staging_dir("import")
+        published = False
         try:
             try:
                 _unpack(tar, files, staging)
@@ -333,10 +336,17 @@ def import_bundle(source: str, into: str | Path | None = None) -> BundleReport:
             for entry_dir, (tag, kernel, key) in checked:
                 before = cache.entry_path(tag, kernel, key).exists()
                 entry = cache.publish(entry_dir, tag, kernel, key)
+                published = True
                 report.entries.append({"arch": ";".join(entry.manifest["components"]["archs"]), "key": key,
                                        "path": str(entry.path), "action": "kept" if before else "imported"})
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            if not published:
+                for directory in reversed(created):
+                    try:
+                        directory.rmdir()
+                    except OSError:  # not empty: someone else uses it now
+                        pass
     if into is None:
         from .prune import apply_size_cap
 

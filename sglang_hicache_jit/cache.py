@@ -377,6 +377,7 @@ class BuildCache:
         machine, published first), that one is kept and returned."""
         assert not self.prebuilt, "a prebuilt layer is never written to"
         entry = verify_entry(staged_entry, key=key)
+        os.chmod(staged_entry, 0o700)  # whoever staged it: published entries are private like the rest
         final = self.entry_path(arch_tag, kernel, key)
         _private_dir(final.parent)
         for _ in range(3):

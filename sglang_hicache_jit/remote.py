@@ -112,7 +112,7 @@ def fetch_entry(url: str, cache: BuildCache, arch_tag: str, kernel: str, abi_key
         staging = cache.new_staging_dir(name)
         try:
             entry_dir = staging / "entry"
-            entry_dir.mkdir()
+            entry_dir.mkdir(mode=0o700)
             files = [MANIFEST, str(manifest.get("library", ""))] + [BUILD_LOG]
             for filename in files:
                 if not filename or "/" in filename or filename.startswith("."):
