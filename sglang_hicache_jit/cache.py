@@ -134,7 +134,11 @@ def verify_entry(path: Path, *, key: str | None = None, abi_key: str | None = No
         raise CorruptEntry(f"{entry.library} is missing") from None
     if size != manifest.get("size"):
         raise CorruptEntry(f"{entry.library} has {size} bytes, the manifest says {manifest.get('size')}")
-    if file_sha256(entry.library) != manifest.get("sha256"):
+    try:
+        digest = file_sha256(entry.library)
+    except OSError as exc:  # removed meanwhile (a prune): as good as corrupt for this reader
+        raise CorruptEntry(f"{entry.library} vanished while it was checked ({exc.strerror})") from None
+    if digest != manifest.get("sha256"):
         raise CorruptEntry(f"{entry.library} does not match the sha256 in its manifest")
     return entry
 

@@ -231,6 +231,12 @@ def prune(cache: BuildCache, *, max_size: int | None = None, older_than_days: fl
         try:
             if not path.exists():
                 return False  # someone else removed it
+            if why.startswith("corrupt"):
+                try:  # it may have been rebuilt since it was looked at: check again under the lock
+                    verify_entry(path, key=key)
+                    return False
+                except CorruptEntry:
+                    pass
             cache.remove_entry(path)
         finally:
             lock.release()
