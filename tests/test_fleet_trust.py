@@ -145,3 +145,40 @@ def test_library_whose_manifest_lacks_sass_is_refused(tmp_path, monkeypatch, gpu
     monkeypatch.setenv("SGLANG_HICACHE_JIT_ARCH", "9.0")
     with pytest.raises(ArchUnsupportedError, match="no machine code for compute capability 9.0"):
         load_kernels(device=0)
+
+
+def test_waiting_for_a_build_is_bounded_and_names_the_holder(tmp_path, monkeypatch):
+    """The holder keeps the entry's lock (in a node-local lock directory); the waiter gives up after the timeout."""
+    import subprocess
+    import sys
+    import time
+    import types
+
+    from fleet_helpers import ROOT
+    from sglang_hicache_jit.errors import LockTimeoutError
+
+    env = env_for(tmp_path / "cache", SGLANG_HICACHE_JIT_LOCK_DIR=tmp_path / "locks")
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, types\n"
+         "from sglang_hicache_jit import loader\n"
+         "from sglang_hicache_jit.arch import parse_arch_list\n"
+         "from sglang_hicache_jit.spec import BuildSpec\n"
+         "spec = BuildSpec.for_archs(parse_arch_list('9.0'))\n"
+         "with loader._build_lock(loader.writable_cache(), spec, spec.key('cuda-13.0-nvccT')):\n"
+         "    print('held', flush=True); sys.stdin.read()\n"],
+        env=env, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for name in ("SGLANG_HICACHE_JIT_CACHE_DIR", "SGLANG_HICACHE_JIT_LOCK_DIR"):
+            monkeypatch.setenv(name, env[name])
+        monkeypatch.setenv("SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "1.5")
+        monkeypatch.setattr(loader, "find_toolkit", lambda: types.SimpleNamespace(identity="cuda-13.0-nvccT"))
+        monkeypatch.setattr(loader, "check_build_tools", lambda archs: None)
+        started = time.monotonic()
+        with pytest.raises(LockTimeoutError, match=f"held by pid {holder.pid} on ") as info:
+            ensure_built(ARCHS)
+        assert 1.4 < time.monotonic() - started < 10 and info.value.code == "lock_timeout"
+        assert str(tmp_path / "locks") in info.value.fix
+    finally:
+        holder.communicate("", timeout=30)
