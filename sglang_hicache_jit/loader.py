@@ -39,7 +39,7 @@ from .arch import Arch, current_gpu_capability, resolve_archs
 from .build import compile_entry
 from .cache import BuildCache, CorruptEntry, Entry, open_verified, sass_numbers, touch_used
 from .errors import (ArchUnsupportedError, BuildFailedError, DisabledError, HicacheJitError, LockTimeoutError,
-                     NotBuiltError, RemoteError)
+                     NotBuiltError)
 from .spec import BuildSpec
 from .toolchain import check_build_tools, find_toolkit, require_toolkit
 
@@ -162,7 +162,7 @@ def find_entry(spec: BuildSpec, key: str | None, toolkit: str | None, cache: Bui
                ) -> tuple[Entry, str] | None:
     """A usable entry without building: prebuilt layers, the cache, remote layers.
     Returns it with the action to report. A corrupt exact entry in the writable
-    cache is discarded (the caller rebuilds it)."""
+    cache is only reported here; the caller rebuilds it under the lock."""
     for layer in prebuilt_layers():
         entry = layer.find(spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit)
         if entry is not None:
@@ -172,12 +172,12 @@ def find_entry(spec: BuildSpec, key: str | None, toolkit: str | None, cache: Bui
         if entry is not None:
             return entry, "cached"
     except CorruptEntry as exc:
-        log.warning("discarding a corrupt cache entry and rebuilding: %s", exc)
+        log.warning("a cache entry failed verification, so it is built again: %s", exc)
     for url in remote_layers():
         try:
             entry = remote.fetch_entry(url, cache, spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit)
-        except (RemoteError, OSError) as exc:  # a layer that is down must not stop a build
-            log.warning("prebuilt layer %s skipped: %s", url, exc)
+        except Exception as exc:  # fsspec backends raise their own types; a layer that is down must not stop a build
+            log.warning("prebuilt layer %s skipped: %s: %s", url, type(exc).__name__, exc)
             continue
         if entry is not None:
             return entry, "fetched"

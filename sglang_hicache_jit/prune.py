@@ -37,7 +37,7 @@ from pathlib import Path
 import filelock
 
 from . import settings
-from .cache import MANIFEST, BuildCache, CorruptEntry, acceptable, entry_size, last_used, verify_entry
+from .cache import BuildCache, CorruptEntry, acceptable, entry_size, last_used, verify_entry
 from .spec import KERNEL, LAYOUT_VERSION
 
 log = logging.getLogger("sglang_hicache_jit")

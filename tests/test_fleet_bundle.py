@@ -1,9 +1,9 @@
 """Bundles: export and import, tampered archives, bundles at fsspec URLs."""
 
 import gzip
+import hashlib
 import io
 import json
-import stat
 import tarfile
 from pathlib import Path
 
@@ -14,7 +14,6 @@ from sglang_hicache_jit.arch import parse_arch_list
 from sglang_hicache_jit.bundle import export_bundle, import_bundle
 from sglang_hicache_jit.cache import BuildCache, file_sha256
 from sglang_hicache_jit.errors import BundleError
-from sglang_hicache_jit.spec import derive_key
 
 
 @pytest.fixture
@@ -116,7 +115,7 @@ def test_manifest_and_checksums_edited_consistently_but_wrong_key(fake_bundle):
     index = json.loads(members[index_i][1])
     for record in index["entries"]:
         record["path"] = record["path"].replace(old_dir, new_dir)
-        record["files"]["manifest.json"] = __import__("hashlib").sha256(
+        record["files"]["manifest.json"] = hashlib.sha256(
             next(d for m, d in members if m.name.endswith("manifest.json"))).hexdigest()
     members[index_i] = (members[index_i][0], json.dumps(index).encode())
     _import_fails(_repack(bundle, members), target, "bundle_corrupt", "does not follow")
@@ -178,7 +177,7 @@ def test_bundle_for_another_torch_is_refused(tmp_path, monkeypatch):
     for path in sorted(entry.path.iterdir()):
         files[path.name] = path.read_bytes()
     prefix = f"v1/sm90/{entry.path.name}"
-    index = {"format": 1, "entries": [{"path": prefix, "files": {n: __import__("hashlib").sha256(d).hexdigest()
+    index = {"format": 1, "entries": [{"path": prefix, "files": {n: hashlib.sha256(d).hexdigest()
                                                                  for n, d in files.items()}}]}
     members.append((tarfile.TarInfo("bundle.json"), json.dumps(index).encode()))
     members += [(tarfile.TarInfo(f"{prefix}/{n}"), d) for n, d in files.items()]

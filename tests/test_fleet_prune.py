@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from fleet_helpers import ROOT, cli, entry_dirs, env_for, fake_entry
+from fleet_helpers import cli, entry_dirs, env_for, fake_entry
 from sglang_hicache_jit import settings
 from sglang_hicache_jit.cache import BuildCache, touch_used
 from sglang_hicache_jit.prune import apply_size_cap, prune

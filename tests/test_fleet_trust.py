@@ -2,7 +2,6 @@
 
 import os
 import stat
-from pathlib import Path
 
 import pytest
 
