@@ -16,6 +16,7 @@ cuda_version_mismatch       nvcc's CUDA major version differs from torch's
 not_built                   build=False and the cache has no entry
 build_failed                the compile failed (reason names the log)
 lock_timeout                another process held the build lock too long
+unsafe_cache                a cache path other users can write to (refused)
 kernel_failed               the library loaded but the smoke copy failed
 error                       anything unexpected (the reason has the details)
 ==========================  =====================================================
