@@ -34,6 +34,7 @@ import threading
 import torch
 
 from .errors import TransferIndexError
+from .ops import check_index_tensor
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +152,7 @@ class Runs:
 
 
 def _host_indices(name: str, idx) -> torch.Tensor:
-    if not isinstance(idx, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(idx).__name__}")
-    if idx.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
-    if idx.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
+    check_index_tensor(name, idx)
     # A GPU index tensor is copied to the CPU here, which waits for the GPU:
     # copies are issued from the host, so the host must know the slots.
     return idx.to("cpu", torch.int64)

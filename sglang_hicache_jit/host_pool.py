@@ -43,6 +43,7 @@ import torch
 
 from . import direct
 from .errors import TransferIndexError
+from .ops import check_index_tensor
 
 log = logging.getLogger(__name__)
 
@@ -268,13 +269,8 @@ class HostKVPool:
         return torch.where(t >= 0, mapped, t)
 
     def _check_index_pair(self, host_indices, device_indices) -> None:
-        for name, idx in (("host_indices", host_indices), ("device_indices", device_indices)):
-            if not isinstance(idx, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(idx).__name__}")
-            if idx.dtype not in (torch.int32, torch.int64):
-                raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
-            if idx.dim() != 1:
-                raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
+        check_index_tensor("host_indices", host_indices)
+        check_index_tensor("device_indices", device_indices)
         if host_indices.shape[0] != device_indices.shape[0]:
             raise ValueError(f"host_indices has {host_indices.shape[0]} entries but device_indices has "
                              f"{device_indices.shape[0]}; they must have the same length")

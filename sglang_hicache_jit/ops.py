@@ -224,13 +224,18 @@ def _device_of(*sides) -> int:
     return devices.pop()
 
 
-def _check_indices(name: str, idx, device: int) -> None:
+def check_index_tensor(name: str, idx) -> None:
+    """The index contract shared by every path: a 1-D int32 or int64 tensor."""
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(idx).__name__}")
     if idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
     if idx.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
+
+
+def _check_indices(name: str, idx, device: int) -> None:
+    check_index_tensor(name, idx)
     if idx.is_cuda:
         if idx.device.index != device:
             raise ValueError(f"{name} is on {idx.device} but the transfer runs on cuda:{device}")
