@@ -54,6 +54,13 @@ def set_tuning(*, bulk_warps: int | None = None, read_align: int | None = None) 
     return previous
 
 
+_ERROR_WORDS = 4
+_ERROR_MESSAGES = (
+    "an index in indices_src was past the end of the source pool",
+    "an index in indices_dst was past the end of the destination pool",
+    "a row address was not 4-byte aligned",
+)
+
 # Environment settings, read once: os.environ costs a microsecond per look-up
 # on a path that must stay cheap. reload_settings() re-reads them.
 _settings: dict = {}
