@@ -130,6 +130,7 @@ def test_pools_release_their_pinned_memory(monkeypatch):
     dp = make_device_pool("mla", 1152, gen, device="cuda", sharded=True)
     pointers = []
     for _ in range(5):
+        released.clear()  # an address freed earlier is often handed out again
         pool = make_host_pool(dp, size=1 << 14, page_size=64, layout="page_first")
         pointers.append(pool.kv_buffer.data_ptr())
         page = pool.get_data_page(0, flat=False)  # a view keeps the registration alive

@@ -245,7 +245,9 @@ def test_bulk_tuning_variants_stay_exact_at_pool_edges(row_bytes, layout, tuning
         for layer in (0, LAYERS - 1):
             target = _random_bytes((DEVICE_SLOTS, row_bytes), "cuda")
             expected = _reference_copy(target, dev_idx.cuda(), host_layers[layer].cuda(), host_idx.cuda())
-            assert ops.transfer_one_layer_mla(target, dev_idx, host_layers[layer], host_idx, method="bulk") == "bulk"
+            # A tuning whose stages do not fit in shared memory falls back to plain (also exact).
+            ran = ops.transfer_one_layer_mla(target, dev_idx, host_layers[layer], host_idx, method="bulk")
+            assert ran == "bulk" or (row_bytes * 32 * tuning["bulk_warps"] * 2 > 227 * 1024 and ran == "plain")
             torch.cuda.synchronize()
             assert torch.equal(target, expected)
     finally:
