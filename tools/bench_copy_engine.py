@@ -53,5 +53,49 @@ def main() -> None:
         print(f"{width:>8} {rows:>8}  {rates[0]:9.1f} {rates[1]:9.1f} {rates[2]:9.1f}", flush=True)
 
 
+def many_small(copies: int = 256, rows: int = 64, width: int = 1152, pitch: int = 9216) -> None:
+    """The direct path's shape: many 2-D copies of one page each. Per-copy cost, and whether
+    spreading the copies over several streams engages more copy engines."""
+    runtime = cuda_runtime()
+    copy2d = runtime.lib.cudaMemcpy2DAsync
+    copy1d = runtime.lib.cudaMemcpyAsync
+    copy1d.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    span = copies * 2 * rows * pitch  # pages with gaps between them, like scattered host pages
+    dev_src = torch.randint(0, 256, (span,), dtype=torch.uint8, device="cuda")
+    host = torch.empty(span, dtype=torch.uint8, pin_memory=True)
+    host.copy_(dev_src)
+    dev = torch.empty(copies * rows * width, dtype=torch.uint8, device="cuda")
+    nbytes = copies * rows * width
+    print(f"{copies} copies of {rows} rows x {width} B (host pitch {pitch} B), host -> GPU")
+    for nstreams in (1, 2, 4, 8):
+        streams = [torch.cuda.Stream() for _ in range(nstreams)]
+        for kind in ("2d", "1d"):
+            times = []
+            for _ in range(6):
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for s in streams:
+                    s.wait_stream(torch.cuda.current_stream())
+                for i in range(copies):
+                    s = streams[i % nstreams].cuda_stream
+                    src = host.data_ptr() + i * 2 * rows * pitch
+                    dst = dev.data_ptr() + i * rows * width
+                    if kind == "2d":
+                        code = copy2d(dst, width, src, pitch, width, rows, MEMCPY_DEFAULT, s)
+                    else:  # the same bytes as one contiguous block per copy
+                        code = copy1d(dst, src, rows * width, MEMCPY_DEFAULT, s)
+                    runtime.check(code, kind)
+                for s in streams:
+                    torch.cuda.current_stream().wait_stream(s)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            t = statistics.median(times[1:])
+            print(f"  {nstreams} stream(s), {kind}: {nbytes / t / 1e9:6.1f} GB/s, {t / copies * 1e6:5.2f} us per copy",
+                  flush=True)
+
+
 if __name__ == "__main__":
     main()
+    many_small()
