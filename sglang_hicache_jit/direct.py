@@ -405,7 +405,7 @@ class CudaRuntime:
 _runtime: CudaRuntime | None = None
 _runtime_lock = threading.Lock()
 _batch_failure: str | None = None  # why the batch call was given up in this process, if it was
-_null_stream_helpers: dict[int, list] = {}
+_null_stream_helpers: dict[int, torch.cuda.Stream] = {}
 
 
 def cuda_runtime() -> CudaRuntime:
@@ -492,40 +492,18 @@ def _copy_on_gpu(pairs: Pairs, runs: Runs, mode: str) -> str:
             return "2d"
 
 
-# Copies of one stream go through one copy engine, and a copy engine moves
-# short strided rows slowly (~15 GB/s for 1152-byte rows on an H200), so a
-# large transfer is spread over several streams, each fenced on both sides
-# with the caller's stream. SGLANG_HICACHE_JIT_DIRECT_STREAMS sets how many.
-_MIN_COPIES_PER_STREAM = 32
-
-
-def _direct_streams() -> int:
-    value = os.environ.get("SGLANG_HICACHE_JIT_DIRECT_STREAMS", "").strip()
-    if not value:
-        return DEFAULT_DIRECT_STREAMS
-    if not value.isdigit() or not 1 <= int(value) <= 16:
-        raise ValueError(f"SGLANG_HICACHE_JIT_DIRECT_STREAMS must be an integer in 1..16, got {value!r}")
-    return int(value)
-
-
-DEFAULT_DIRECT_STREAMS = 4
-
-
-def _helpers(device: int, count: int) -> list:
-    helpers = _null_stream_helpers.setdefault(device, [])
-    while len(helpers) < count:
-        helpers.append(torch.cuda.Stream(device))
-    return helpers[:count]
-
-
 def _batch_on(runtime: CudaRuntime, words: torch.Tensor, stream, device: int) -> None:
-    count = max(1, min(_direct_streams(), len(words) // _MIN_COPIES_PER_STREAM))
-    if count == 1 and stream.cuda_stream:
+    # One batch on one stream: spreading it over several streams does not help
+    # (measured: ~4.3 us of copy-engine time per copy whatever the stream count;
+    # docs/host_pool.md).
+    if stream.cuda_stream:
         runtime.memcpy_batch(words, stream.cuda_stream)
         return
-    # Helper streams, fenced on both sides so the copies stay ordered with the
-    # caller's work (the batch API also refuses the legacy NULL stream).
-    for helper, chunk in zip(_helpers(device, count), words.tensor_split(count)):
-        helper.wait_stream(stream)
-        runtime.memcpy_batch(chunk.contiguous(), helper.cuda_stream)
-        stream.wait_stream(helper)
+    # The batch API refuses the legacy NULL stream: run on a helper stream
+    # fenced on both sides, so the copies stay ordered with the caller's work.
+    helper = _null_stream_helpers.get(device)
+    if helper is None:
+        helper = _null_stream_helpers[device] = torch.cuda.Stream(device)
+    helper.wait_stream(stream)
+    runtime.memcpy_batch(words, helper.cuda_stream)
+    stream.wait_stream(helper)

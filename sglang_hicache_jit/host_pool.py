@@ -73,14 +73,21 @@ class MHADevicePool:
     owned_layers: tuple | None = None
 
 
-def choose_io_backend(kernel_available: bool) -> str:
-    """The ``io_backend="auto"`` policy: which path a transfer takes.
+def choose_io_backend(kernel_available: bool, operation: str) -> str:
+    """The ``io_backend="auto"`` policy for ``operation`` ('load' or 'backup').
 
-    Kernel when it is available, else direct. (Under a saturating matrix
-    multiply the copy engines keep their rate while SM-based kernels lose
-    theirs; tools/bench_pool.py measures both so this policy can follow.)
+    Measured on an H200 beside a saturating bf16 matmul (docs/BENCHMARKS.md,
+    tools/bench_pool.py): a per-layer load through the kernel moved 22 GB/s
+    (matmul +6%) against 15 GB/s (+5%) through the copy engines, so loads take
+    the kernel; an all-layer backup through the kernel moved 39 GB/s but
+    slowed the matmul by 35%, against 15 GB/s and +3% on the copy engines, so
+    backups, which are off the critical path, take the copy engines. Serving
+    always overlaps transfers with compute, hence this choice; pass
+    io_backend="kernel" for the fastest backup on an idle GPU (0.88 of the link).
     """
-    return "kernel" if kernel_available else "direct"
+    if operation not in ("load", "backup"):
+        raise ValueError(f"operation must be 'load' or 'backup', got {operation!r}")
+    return "kernel" if kernel_available and operation == "load" else "direct"
 
 
 def _log_choice_once(path: str, reason: str) -> None:
@@ -275,13 +282,13 @@ class HostKVPool:
             raise ValueError(f"host_indices has {host_indices.shape[0]} entries but device_indices has "
                              f"{device_indices.shape[0]}; they must have the same length")
 
-    def _path(self, io_backend) -> str:
+    def _path(self, io_backend, operation: str) -> str:
         if io_backend == "direct":
             return "direct"
         if io_backend == "kernel":  # the kernel where it works, else the direct path (logged at construction)
             return self.transfer_path
         if io_backend == "auto":
-            return choose_io_backend(self.transfer_path == "kernel")
+            return choose_io_backend(self.transfer_path == "kernel", operation)
         raise ValueError(f"Unsupported IO backend: {io_backend!r} (choose one of {', '.join(IO_BACKENDS)})")
 
     def _layer(self, layer_id) -> int:
@@ -299,7 +306,7 @@ class HostKVPool:
         host[layer_id - start][host_indices[i]]``. A layer this rank does not own
         is a silent no-op (as upstream)."""
         layer = self._layer(layer_id)
-        path = self._path(io_backend)
+        path = self._path(io_backend, "load")
         self._check_index_pair(host_indices, device_indices)
         start, end = self.owned_layers
         if not start <= layer < end:
@@ -327,7 +334,7 @@ class HostKVPool:
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
         """Device -> host for every owned layer: ``host[l - start][host_indices[i]] =
         device[l][device_indices[i]]``; one kernel launch or one batched copy."""
-        path = self._path(io_backend)
+        path = self._path(io_backend, "backup")
         self._check_index_pair(host_indices, device_indices)
         side = self._device_side(device_pool)
         if path == "kernel":

@@ -247,8 +247,11 @@ class _FakeCudaTensor:
 
 
 def test_auto_policy_is_one_function():
-    assert host_pool.choose_io_backend(True) == "kernel"
-    assert host_pool.choose_io_backend(False) == "direct"
+    assert host_pool.choose_io_backend(True, "load") == "kernel"
+    assert host_pool.choose_io_backend(True, "backup") == "direct"  # copy engines spare the compute SMs
+    assert host_pool.choose_io_backend(False, "load") == "direct"
+    with pytest.raises(ValueError, match="operation"):
+        host_pool.choose_io_backend(True, "sideways")
 
 
 # ---------------------------------------------------------------------------

@@ -350,7 +350,7 @@ def main(argv=None) -> int:
                 print(f"  under load, {direct_name.split(' (')[0].replace('pool direct ', '')}: kernel "
                       f"{k['GBps_under_load']:.1f} GB/s (matmul +{k['matmul_slowdown'] * 100:.1f}%) vs direct "
                       f"{d['GBps_under_load']:.1f} GB/s (matmul +{d['matmul_slowdown'] * 100:.1f}%) -> {better} "
-                      f"(auto policy today: {choose_io_backend(pool.transfer_path == 'kernel')})")
+                      f"(auto policy: {choose_io_backend(pool.transfer_path == 'kernel', 'load' if 'load' in kernel_name else 'backup')})")
 
     report = {"env": env, "config": config, "rows": rows, "targets": checks, "under_load": loaded,
               "failed_checks": failed}
