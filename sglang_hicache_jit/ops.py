@@ -28,7 +28,8 @@ from . import settings
 from .errors import ArchUnsupportedError, TransferIndexError
 
 # block_quota=None lets the kernel pick its measured default: 4 CTAs for the
-# bulk engine (host -> GPU), 8 for plain loads and stores (GPU -> host).
+# bulk engine (host -> GPU), 8 for plain loads and stores (GPU -> host). For
+# reference only: the kernel's kDefaultBulkBlocks / kDefaultPlainBlocks decide.
 DEFAULT_BLOCK_QUOTA = {"bulk": 4, "plain": 8}
 _METHODS = {"auto": 0, "plain": 1, "bulk": 2}
 METHOD_NAMES = {1: "plain", 2: "bulk"}
