@@ -107,22 +107,31 @@ def _prune_debris(cache: BuildCache, report: PruneReport, now: float) -> None:
         if not gone:
             continue
         # A builder in another PID namespace (a container with the same host name) still holds the entry lock.
-        locks = [_try_lock(p) for p in _entry_locks(cache, owner[0])] if owner else []
-        try:
-            if any(lock is None for lock in locks):
-                continue
-            size = _tree_size(path)
-            shutil.rmtree(path, ignore_errors=True)
-            report.removed.append((path, "staging directory of a builder that is gone", size))
-        finally:
-            for lock in locks:
-                if lock is not None:
-                    lock.release()
+        _remove_unless_locked(path, _entry_locks(cache, owner[0]) if owner else [],
+                              "staging directory of a builder that is gone", report, record_locked=False)
     trash = cache.layout_root / ".trash"
     for path in sorted(trash.iterdir()) if trash.is_dir() else []:
         size = _tree_size(path)
         shutil.rmtree(path, ignore_errors=True)  # another process may be deleting it too: harmless
         report.removed.append((path, "an entry left half-deleted", size))
+
+
+def _remove_unless_locked(path: Path, lock_paths: list[Path], reason: str, report: "PruneReport", *,
+                          record_locked: bool) -> None:
+    """Removes ``path`` while holding every lock in ``lock_paths``; skips it if any is held elsewhere."""
+    locks = [_try_lock(p) for p in lock_paths]
+    try:
+        if any(lock is None for lock in locks):
+            if record_locked:
+                report.skipped_locked.append(path)
+            return
+        size = _tree_size(path)
+        shutil.rmtree(path, ignore_errors=True)
+        report.removed.append((path, reason, size))
+    finally:
+        for lock in locks:
+            if lock is not None:
+                lock.release()
 
 
 def _tree_size(path: Path) -> int:
@@ -142,18 +151,9 @@ def _prune_other_layouts(cache: BuildCache, report: PruneReport) -> None:
     for path in sorted(cache.root.iterdir()):
         if not path.is_dir() or path.name == LAYOUT_VERSION or not _LAYOUT_DIR.match(path.name):
             continue
-        locks = [_try_lock(p) for p in sorted((path / ".locks").glob("*.lock"))]
-        try:
-            if any(lock is None for lock in locks):
-                report.skipped_locked.append(path)  # an older version is building there right now
-                continue
-            size = _tree_size(path)
-            shutil.rmtree(path, ignore_errors=True)
-            report.removed.append((path, "cache of another layout version", size))
-        finally:
-            for lock in locks:
-                if lock is not None:
-                    lock.release()
+        # An older version may be building there right now.
+        _remove_unless_locked(path, sorted((path / ".locks").glob("*.lock")), "cache of another layout version",
+                              report, record_locked=True)
 
 
 class _Usability:

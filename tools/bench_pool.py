@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from sglang_hicache_jit import direct, ops  # noqa: E402
+from sglang_hicache_jit.benchmark import _fill_random, make_indices  # noqa: E402
 from sglang_hicache_jit.host_pool import MLADevicePool, MLAHostKVPool, choose_io_backend  # noqa: E402
 from sglang_hicache_jit.probe import probe  # noqa: E402
 
@@ -44,12 +45,7 @@ TARGETS = {"pool_vs_raw_kernel": 0.97, "direct_page_first_vs_ceiling": 0.5}
 # Setup
 
 def fill_random(t: torch.Tensor) -> None:
-    """Random bytes generated on the GPU in chunks (fast for pinned host buffers too)."""
-    flat = t.view(torch.uint8).view(-1)
-    chunk = 1 << 28
-    for start in range(0, flat.numel(), chunk):
-        n = min(chunk, flat.numel() - start)
-        flat[start:start + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda"))
+    _fill_random(t.view(torch.uint8), torch)
     torch.cuda.synchronize()
 
 
@@ -62,13 +58,7 @@ def make_setup(host_slots: int, device_slots: int, tokens: int, seed: int):
     pool = MLAHostKVPool(device_pool, size=host_slots, page_size=PAGE, layout="page_first")
     register_s = time.perf_counter() - started
     fill_random(pool.kv_buffer)
-    gen = torch.Generator().manual_seed(seed)
-    pages = tokens // PAGE
-    host_pages = torch.randperm(host_slots // PAGE, generator=gen)[:pages].sort().values
-    dev_pages = torch.randperm(device_slots // PAGE, generator=gen)[:pages]
-    offsets = torch.arange(PAGE)
-    host_idx = (host_pages[:, None] * PAGE + offsets).reshape(-1)
-    dev_idx = (dev_pages[:, None] * PAGE + offsets).reshape(-1)
+    host_idx, dev_idx = make_indices(tokens, PAGE, host_slots, device_slots, seed)
     return device_pool, pool, host_idx, dev_idx, register_s
 
 
