@@ -1,26 +1,40 @@
-"""Drop-in replacements for SGLang's ``sglang.kernels.ops.kvcache.hicache`` (0.5.x).
+"""SGLang 0.5.23's ``sglang.kernels.ops.kvcache.hicache``, served by this package's kernels.
 
-Same function names, argument names and order, keyword-only options and
-semantics, so SGLang can switch by changing one import::
+Every public transfer function of that module, with the same name, parameter
+names, kinds, order and defaults, and the same bytes moved, so a caller can
+switch by changing one import (the SGLang plugin in
+``integrations/sglang.py`` does the switch for SGLang's own host pools)::
 
     from sglang_hicache_jit.compat import (
-        can_use_hicache_jit_kernel, transfer_hicache_all_layer, transfer_hicache_all_layer_mla,
-        transfer_hicache_one_layer, transfer_hicache_one_layer_mla)
+        can_use_hicache_jit_kernel, transfer_hicache_one_layer_mla, ...)
 
-Differences, all in the direction of accepting more:
-* any row size that is a multiple of 4 bytes works (upstream: multiples of
-  128), and one build serves every row size;
-* a negative index skips its pair (upstream reads out of bounds);
+Like upstream, these run the JIT kernel only: ``can_use_*`` says whether it
+can be used here, and the transfers raise when it cannot (the plugin adds the
+copy-engine fallback on top). Differences, all in the direction of accepting
+more:
+
+* any row size that is a multiple of 4 bytes works (upstream on CUDA: 128),
+  and one build serves every row size, so ``can_use_*`` costs one probe;
+* ``can_use_*`` never raise, whatever they are given;
+* a negative index skips its pair, and an index past the end of a pool whose
+  size the op can see is reported, never written;
 * indices may live on the CPU (moved to the GPU without a host sync);
-* ``unroll`` and ``page_size`` are accepted and ignored: the kernels choose
-  their own vector width and pipelining; ``block_quota`` is honoured, and
-  None means this package's measured default (ops.DEFAULT_BLOCK_QUOTA), not
-  upstream's 2.
+* ``unroll`` is accepted and ignored (the kernels choose their own vector
+  width); ``page_size`` is accepted and ignored (every row is addressed by
+  its own index, so pages need not tile anything); ``block_quota`` is
+  honoured, and None means this package's measured default
+  (``ops.DEFAULT_BLOCK_QUOTA``), not upstream's 2;
+* the staged write-backs ignore the staging buffer: the all-layer kernel
+  writes the ``page_first`` host rows directly, which moves the same bytes
+  without the extra pass through GPU memory.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
+
+import torch
 
 from . import ops
 from .probe import probe
@@ -29,55 +43,137 @@ log = logging.getLogger(__name__)
 _warned: set = set()
 
 
-def can_use_hicache_jit_kernel(*, element_size: int, unroll: int | None = None, block_quota: int | None = None,
-                               staged: bool = False) -> bool:
-    """True when the kernels can copy rows of ``element_size`` bytes on the
-    current GPU. Never raises; logs the reason once per row size and reason."""
-    result = probe(element_size)
-    if not result.available and (element_size, result.code) not in _warned:
-        _warned.add((element_size, result.code))
-        log.warning("JIT HiCache kernel unavailable for element_size=%s: [%s] %s", element_size, result.code,
-                    result.reason)
+def _available(element_size) -> bool:
+    """The probe's verdict for rows of ``element_size`` bytes; never raises."""
+    if isinstance(element_size, bool) or not isinstance(element_size, int):
+        return False  # probe(None) would ask only about the GPU, not about a row
+    try:
+        result = probe(element_size)
+    except Exception as exc:  # probe() does not raise; belt and braces for a must-not-raise API
+        log.warning("JIT HiCache kernel probe failed: %s", exc)
+        return False
+    if not result.available:
+        key = (repr(element_size), result.code)
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("JIT HiCache kernel unavailable for element_size=%r: [%s] %s", element_size, result.code,
+                        result.reason)
     return result.available
 
+
+def can_use_hicache_jit_kernel(
+    *,
+    element_size: int,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+    page_size: int | None = None,
+) -> bool:
+    """True when the one- and all-layer kernels can copy rows of ``element_size``
+    bytes on the current GPU. Never raises; logs the reason once."""
+    return _available(element_size)
+
+
+def can_use_write_back_jit_kernel(
+    *,
+    element_size: int,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+) -> bool:
+    """True when the staged write-back (all layers, layer_first GPU -> page_first
+    host) can run for rows of ``element_size`` bytes. Never raises."""
+    return _available(element_size)
+
+
+def can_use_page_unified_load_back_jit_kernel(
+    *,
+    group_bytes: int,
+    block_quota: int | None = None,
+) -> bool:
+    """True when page_unified loads can run for head-group rows of
+    ``group_bytes`` bytes. Never raises."""
+    return _available(group_bytes)
+
+
+# ---------------------------------------------------------------------------
+# One layer and all layers.
 
 def _rows(name: str, t, element_dim: int):
     try:
         return t.view(-1, element_dim)
-    except (RuntimeError, AttributeError) as exc:
-        raise ValueError(f"{name} cannot be viewed as rows of element_dim={element_dim}: {exc}") from None
+    except (RuntimeError, AttributeError, TypeError) as exc:
+        raise ValueError(f"{name} cannot be viewed as rows of element_dim={element_dim!r}: {exc}") from None
 
 
-def transfer_hicache_one_layer(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src, indices_src, *,
-                               element_dim: int | None = None, unroll: int | None = None,
-                               block_quota: int | None = None, page_size: int | None = None) -> None:
-    element_dim = element_dim or k_cache_dst.size(-1)
+def _element_dim(element_dim, cache, name: str) -> int:
+    if element_dim is None or element_dim == 0:
+        if not isinstance(cache, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
+        return cache.size(-1)
+    if isinstance(element_dim, bool) or not isinstance(element_dim, int) or element_dim < 0:
+        raise ValueError(f"element_dim must be a positive int (elements per row), got {element_dim!r}")
+    return element_dim
+
+
+def transfer_hicache_one_layer(
+    k_cache_dst: torch.Tensor,
+    v_cache_dst: torch.Tensor,
+    indices_dst: torch.Tensor,
+    k_cache_src: torch.Tensor,
+    v_cache_src: torch.Tensor,
+    indices_src: torch.Tensor,
+    *,
+    element_dim: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+    page_size: int | None = None,
+) -> None:
+    element_dim = _element_dim(element_dim, k_cache_dst, "k_cache_dst")
     ops.transfer_one_layer(
         _rows("k_cache_dst", k_cache_dst, element_dim), _rows("v_cache_dst", v_cache_dst, element_dim), indices_dst,
         _rows("k_cache_src", k_cache_src, element_dim), _rows("v_cache_src", v_cache_src, element_dim), indices_src,
         block_quota=block_quota)
 
 
-def transfer_hicache_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *,
-                                   element_dim: int | None = None, unroll: int | None = None,
-                                   block_quota: int | None = None, page_size: int | None = None) -> None:
-    element_dim = element_dim or cache_dst.size(-1)
+def transfer_hicache_one_layer_mla(
+    cache_dst: torch.Tensor,
+    indices_dst: torch.Tensor,
+    cache_src: torch.Tensor,
+    indices_src: torch.Tensor,
+    *,
+    element_dim: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+    page_size: int | None = None,
+) -> None:
+    element_dim = _element_dim(element_dim, cache_dst, "cache_dst")
     ops.transfer_one_layer_mla(_rows("cache_dst", cache_dst, element_dim), indices_dst,
                                _rows("cache_src", cache_src, element_dim), indices_src, block_quota=block_quota)
 
 
-def _element_size(element_size, src_stride: int, dst_stride: int, names: str) -> int:
+def _element_size(element_size, src_stride, dst_stride, names: str) -> int:
     if element_size is not None:
         return element_size
     if src_stride != dst_stride:
+        # Upstream asserts here; a ValueError says what to pass instead.
         raise ValueError(f"element_size is required when {names} differ ({src_stride} != {dst_stride})")
     return dst_stride
 
 
-def transfer_hicache_all_layer(k_ptr_dst, v_ptr_dst, indices_dst, k_ptr_src, v_ptr_src, indices_src, *,
-                               kv_cache_src_stride_bytes: int, kv_cache_dst_stride_bytes: int,
-                               element_size: int | None = None, unroll: int | None = None,
-                               block_quota: int | None = None, page_size: int | None = None) -> None:
+def transfer_hicache_all_layer(
+    k_ptr_dst: torch.Tensor,
+    v_ptr_dst: torch.Tensor,
+    indices_dst: torch.Tensor,
+    k_ptr_src: torch.Tensor,
+    v_ptr_src: torch.Tensor,
+    indices_src: torch.Tensor,
+    *,
+    kv_cache_src_stride_bytes: int,
+    kv_cache_dst_stride_bytes: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+    page_size: int | None = None,
+) -> None:
     size = _element_size(element_size, kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes,
                          "kv_cache_src_stride_bytes and kv_cache_dst_stride_bytes")
     ops.transfer_pointer_tables((k_ptr_dst, v_ptr_dst), indices_dst, (k_ptr_src, v_ptr_src), indices_src,
@@ -85,11 +181,279 @@ def transfer_hicache_all_layer(k_ptr_dst, v_ptr_dst, indices_dst, k_ptr_src, v_p
                                 element_size=size, block_quota=block_quota)
 
 
-def transfer_hicache_all_layer_mla(ptr_dst, indices_dst, ptr_src, indices_src, *, cache_src_stride_bytes: int,
-                                   cache_dst_stride_bytes: int, element_size: int | None = None,
-                                   unroll: int | None = None, block_quota: int | None = None,
-                                   page_size: int | None = None) -> None:
+def transfer_hicache_all_layer_mla(
+    ptr_dst: torch.Tensor,
+    indices_dst: torch.Tensor,
+    ptr_src: torch.Tensor,
+    indices_src: torch.Tensor,
+    *,
+    cache_src_stride_bytes: int,
+    cache_dst_stride_bytes: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+    page_size: int | None = None,
+) -> None:
     size = _element_size(element_size, cache_src_stride_bytes, cache_dst_stride_bytes,
                          "cache_src_stride_bytes and cache_dst_stride_bytes")
     ops.transfer_pointer_tables(ptr_dst, indices_dst, ptr_src, indices_src, dst_stride_bytes=cache_dst_stride_bytes,
                                 src_stride_bytes=cache_src_stride_bytes, element_size=size, block_quota=block_quota)
+
+
+# ---------------------------------------------------------------------------
+# Staged write-back: all layers, layer_first GPU -> page_first host.
+
+def host_layer_table(buffer: torch.Tensor, num_layers: int, row_bytes: int, device) -> torch.Tensor:
+    """uint64 CUDA table of the per-layer row-0 addresses of a ``page_first``
+    host buffer, where layer l of a token starts ``l * row_bytes`` into its
+    slot. Cached per buffer: pools pass the same tensor on every call."""
+    key = (id(buffer), buffer.data_ptr(), num_layers, row_bytes, str(device))
+    hit = _host_tables.get(key)
+    if hit is not None and hit[0]() is buffer:
+        return hit[1]
+    base = buffer.data_ptr()
+    table = torch.tensor([base + layer * row_bytes for layer in range(num_layers)], dtype=torch.uint64,
+                         device=device)
+    if len(_host_tables) >= 64:
+        _host_tables.clear()
+    _host_tables[key] = (weakref.ref(buffer), table)
+    return table
+
+
+_host_tables: dict = {}
+
+
+def staged_geometry(staging: torch.Tensor, dst: torch.Tensor, element_size) -> tuple[int, int]:
+    """(row bytes, bytes per token across layers) of a staged write-back."""
+    if dst.dim() < 3 or not dst.is_contiguous():
+        raise ValueError(f"dst must be a contiguous page_first host buffer (slots, layers, ...), got shape "
+                         f"{tuple(dst.shape)}")
+    row_bytes = dst[0, 0].numel() * dst.element_size()
+    size = element_size or staging[0, 0].numel() * staging.element_size()
+    if size != row_bytes:
+        raise ValueError(f"element_size is {size} bytes but a row of dst is {row_bytes} bytes")
+    return size, dst.shape[1] * row_bytes
+
+
+def _token_indices(src_indices: torch.Tensor) -> torch.Tensor:
+    # Upstream reads whole pages starting at src_indices[::page_size]; for the
+    # page-aligned indices that contract requires, token by token is the same copy.
+    return src_indices
+
+
+def transfer_hicache_all_layer_staged_lf_pf(
+    k_ptr_src: torch.Tensor,
+    v_ptr_src: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    staging_k: torch.Tensor,
+    staging_v: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    *,
+    page_size: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+) -> None:
+    size, layout_dim = staged_geometry(staging_k, dst_k, element_size)
+    device, layers = k_ptr_src.device, dst_k.shape[1]
+    ops.transfer_pointer_tables((host_layer_table(dst_k, layers, size, device),
+                                 host_layer_table(dst_v, layers, size, device)), dst_indices,
+                                (k_ptr_src, v_ptr_src), _token_indices(src_indices), dst_stride_bytes=layout_dim,
+                                src_stride_bytes=size, element_size=size, block_quota=block_quota)
+
+
+def transfer_hicache_all_layer_mla_staged_lf_pf(
+    ptr_src: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    staging: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    page_size: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+) -> None:
+    size, layout_dim = staged_geometry(staging, dst, element_size)
+    ops.transfer_pointer_tables(host_layer_table(dst, dst.shape[1], size, ptr_src.device), dst_indices, ptr_src,
+                                _token_indices(src_indices), dst_stride_bytes=layout_dim, src_stride_bytes=size,
+                                element_size=size, block_quota=block_quota)
+
+
+# ---------------------------------------------------------------------------
+# page_unified: host pages laid out (page, head_group, layer, 2, page_size,
+# head_in_group, dim) for MHA and (page, layer, page_size, dim) for MLA.
+#
+# A token's rows are not at a fixed stride from slot 0 there, so the host
+# side is addressed as a flat table of group rows and each token index is
+# mapped to its row: page * rows_per_page + offset_in_page, plus a constant
+# (group, layer, K/V) offset folded into the base pointer.
+
+def page_unified_rows(pages: torch.Tensor, page_size: int, rows_per_page: int) -> torch.Tensor:
+    """Flat host row of each token of ``pages`` (page IDs), offset 0 in a page."""
+    offsets = torch.arange(page_size, device=pages.device, dtype=torch.int64)
+    return (pages.to(torch.int64)[:, None] * rows_per_page + offsets).reshape(-1)
+
+
+def _token_rows(indices: torch.Tensor, page_size: int, rows_per_page: int) -> torch.Tensor:
+    indices = indices.to(torch.int64)
+    rows = torch.div(indices, page_size, rounding_mode="floor") * rows_per_page + torch.remainder(indices, page_size)
+    return torch.where(indices < 0, indices, rows)  # keep the padding convention
+
+
+def _check_page_unified_src(src: torch.Tensor) -> None:
+    if not src.is_contiguous():
+        raise ValueError("The host pool must be contiguous")
+    if src.device.type != "cpu" and not src.is_cuda:
+        raise ValueError("Expected a CPU or CUDA-registered host pool")
+
+
+def transfer_hicache_one_layer_page_unified_lf(
+    k_cache_dst: torch.Tensor,
+    v_cache_dst: torch.Tensor,
+    src: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    *,
+    block_quota: int | None = None,
+) -> None:
+    """Load one layer of page_unified MHA host pages into the device K/V
+    caches ``(token, head, dim)``. ``src_indices`` are host token indices."""
+    if src.ndim != 7:
+        raise ValueError("Expected (page, head_group, layer, 2, page_size, head_in_group, dim)")
+    if src.shape[3] != 2 or any(d <= 0 for d in src.shape[1:]):
+        raise ValueError("Page dimensions must be positive and the K/V dimension must be 2")
+    _check_page_unified_src(src)
+    _, groups, layers, _, page_size, heads_in_group, dim = src.shape
+    group_elems = heads_in_group * dim
+    flat = src.view(-1, group_elems)
+    rows_per_page = groups * layers * 2 * page_size
+    host_rows = _token_rows(src_indices, page_size, rows_per_page)
+    k_dst = k_cache_dst.view(k_cache_dst.shape[0], -1, dim)
+    v_dst = v_cache_dst.view(v_cache_dst.shape[0], -1, dim)
+    span = flat.shape[0] - (groups * layers * 2 - 1) * page_size  # rows every group's K and V view can hold
+    for g in range(groups):
+        base = (g * layers + layer_id) * 2 * page_size
+        heads = slice(g * heads_in_group, (g + 1) * heads_in_group)
+        ops.transfer_one_layer(k_dst[:, heads], v_dst[:, heads], dst_indices, flat[base:base + span],
+                               flat[base + page_size:base + page_size + span], host_rows, block_quota=block_quota)
+
+
+def transfer_hicache_one_layer_mla_page_unified_lf(
+    cache_dst: torch.Tensor,
+    src: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layer_id: int,
+    *,
+    block_quota: int | None = None,
+) -> None:
+    """Load one layer of page_unified MLA host pages ``(page, layer, page_size,
+    dim)`` into the device cache ``(token, 1, dim)``."""
+    if src.ndim != 4:
+        raise ValueError("Expected MLA (page, layer, page_size, dim)")
+    if any(d <= 0 for d in src.shape[1:]):
+        raise ValueError("MLA page dimensions must be positive")
+    _check_page_unified_src(src)
+    _, layers, page_size, dim = src.shape
+    flat = src.view(-1, dim)
+    host_rows = _token_rows(src_indices, page_size, layers * page_size)
+    ops.transfer_one_layer_mla(cache_dst.view(cache_dst.shape[0], -1), dst_indices, flat[layer_id * page_size:],
+                               host_rows, block_quota=block_quota)
+
+
+def _check_page_unified_write_back(staging, dst, src_pages, dst_pages) -> None:
+    if staging.shape[1:] != dst.shape[1:] or staging.dtype != dst.dtype:
+        raise ValueError("Staging and destination must have matching page shapes and dtype")
+    if not staging.is_contiguous() or not dst.is_contiguous():
+        raise ValueError("Staging and destination must be contiguous")
+    if not staging.is_cuda or dst.device.type != "cpu" or not dst.is_pinned():
+        raise ValueError("Expected CUDA staging and a pinned CPU destination")
+    if staging.shape[0] == 0:
+        raise ValueError("Staging must hold at least one page")
+    if src_pages.ndim != 1 or dst_pages.ndim != 1 or src_pages.numel() != dst_pages.numel():
+        raise ValueError("Source and destination page IDs must be equal-length vectors")
+
+
+def _layer_offsets_table(base: int, offsets: list[int], device) -> torch.Tensor:
+    return torch.tensor([base + o for o in offsets], dtype=torch.uint64, device=device)
+
+
+def _shifted(table: torch.Tensor, offset: int) -> torch.Tensor:
+    # uint64 arithmetic is not implemented on every torch build; the addresses fit in int64.
+    return (table.view(torch.int64) + offset).view(torch.uint64) if offset else table
+
+
+def transfer_hicache_all_layer_staged_lf_page_unified(
+    k_ptr_src: torch.Tensor,
+    v_ptr_src: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    staging: torch.Tensor,
+    dst: torch.Tensor,
+) -> None:
+    """Write whole GPU KV pages (every layer) into pinned host pages laid out
+    page_unified. ``src_pages`` / ``dst_pages`` are page IDs, not tokens."""
+    if dst.ndim != 7 or staging.ndim != 7:
+        raise ValueError("Expected (page, head_group, layer, 2, page_size, head_in_group, dim)")
+    if dst.shape[3] != 2 or any(d <= 0 for d in dst.shape[1:]):
+        raise ValueError("Page dimensions must be positive and the K/V dimension must be 2")
+    _check_page_unified_write_back(staging, dst, src_pages, dst_pages)
+    _, groups, layers, _, page_size, heads_in_group, dim = dst.shape
+    itemsize = dst.element_size()
+    group_bytes = heads_in_group * dim * itemsize
+    device = k_ptr_src.device
+    src_rows = page_unified_rows(src_pages.to(device), page_size, page_size)
+    dst_rows = page_unified_rows(dst_pages.to(device), page_size, groups * layers * 2 * page_size)
+    src_stride = groups * group_bytes  # a device token row holds every head group
+    for g in range(groups):
+        k_offsets = [((g * layers + layer) * 2) * page_size * group_bytes for layer in range(layers)]
+        k_table = _layer_offsets_table(dst.data_ptr(), k_offsets, device)
+        v_table = _layer_offsets_table(dst.data_ptr() + page_size * group_bytes, k_offsets, device)
+        ops.transfer_pointer_tables((k_table, v_table), dst_rows,
+                                    (_shifted(k_ptr_src, g * group_bytes), _shifted(v_ptr_src, g * group_bytes)),
+                                    src_rows, dst_stride_bytes=group_bytes, src_stride_bytes=src_stride,
+                                    element_size=group_bytes)
+
+
+def transfer_hicache_all_layer_mla_staged_lf_page_unified(
+    ptr_src: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    staging: torch.Tensor,
+    dst: torch.Tensor,
+) -> None:
+    """Write whole GPU MLA pages into pinned host pages ``(page, layer,
+    page_size, dim)``. ``src_pages`` / ``dst_pages`` are page IDs."""
+    if dst.ndim != 4 or staging.ndim != 4:
+        raise ValueError("Expected MLA (page, layer, page_size, dim)")
+    if any(d <= 0 for d in dst.shape[1:]):
+        raise ValueError("MLA page dimensions must be positive")
+    _check_page_unified_write_back(staging, dst, src_pages, dst_pages)
+    _, layers, page_size, dim = dst.shape
+    row_bytes = dim * dst.element_size()
+    device = ptr_src.device
+    table = _layer_offsets_table(dst.data_ptr(), [layer * page_size * row_bytes for layer in range(layers)], device)
+    ops.transfer_pointer_tables(table, page_unified_rows(dst_pages.to(device), page_size, layers * page_size),
+                                ptr_src, page_unified_rows(src_pages.to(device), page_size, page_size),
+                                dst_stride_bytes=row_bytes, src_stride_bytes=row_bytes, element_size=row_bytes)
+
+
+__all__ = [
+    "can_use_hicache_jit_kernel",
+    "can_use_page_unified_load_back_jit_kernel",
+    "can_use_write_back_jit_kernel",
+    "transfer_hicache_all_layer",
+    "transfer_hicache_all_layer_mla",
+    "transfer_hicache_all_layer_mla_staged_lf_page_unified",
+    "transfer_hicache_all_layer_mla_staged_lf_pf",
+    "transfer_hicache_all_layer_staged_lf_page_unified",
+    "transfer_hicache_all_layer_staged_lf_pf",
+    "transfer_hicache_one_layer",
+    "transfer_hicache_one_layer_mla",
+    "transfer_hicache_one_layer_mla_page_unified_lf",
+    "transfer_hicache_one_layer_page_unified_lf",
+]

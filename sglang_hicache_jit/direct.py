@@ -86,6 +86,19 @@ class Rows:
         if self.rows > 1 and self.stride < self.row_bytes:
             raise ValueError(f"{name} has overlapping rows (slot stride {self.stride} B < row {self.row_bytes} B)")
 
+    @classmethod
+    def at(cls, ptr: int, stride: int, row_bytes: int, device: int, rows: int = 1 << 62) -> "Rows":
+        """Rows at a raw address (an entry of a pool's per-layer pointer table).
+
+        The caller vouches for the address; the pool size is unknown unless
+        given, so only the other side's bounds are checked. Host and device
+        addresses alike: copies use cudaMemcpyDefault, which tells them apart.
+        """
+        rows_ = cls.__new__(cls)
+        rows_.tensor, rows_.ptr, rows_.stride, rows_.row_bytes = None, int(ptr), int(stride), int(row_bytes)
+        rows_.rows, rows_.device, rows_.dtype = rows, device, None
+        return rows_
+
 
 class Pairs:
     """The (dst, src) row pairs of one transfer, validated once and reused.
@@ -104,7 +117,7 @@ class Pairs:
                 raise TypeError(f"pairs[{i}] must be a (dst, src) pair of tensors")
             dst = pair[0] if isinstance(pair[0], Rows) else Rows(pair[0], f"pairs[{i}] dst")
             src = pair[1] if isinstance(pair[1], Rows) else Rows(pair[1], f"pairs[{i}] src")
-            if dst.dtype != src.dtype or dst.row_bytes != src.row_bytes:
+            if (dst.dtype != src.dtype and None not in (dst.dtype, src.dtype)) or dst.row_bytes != src.row_bytes:
                 raise ValueError(f"pairs[{i}]: dst rows are {dst.row_bytes} B of {dst.dtype} but src rows are "
                                  f"{src.row_bytes} B of {src.dtype}; they must match")
             self.dst.append(dst)
@@ -116,7 +129,7 @@ class Pairs:
         # Pageable host memory is staged through driver buffers whatever the call;
         # 'auto' sends it one cudaMemcpy2DAsync per run rather than rely on the batch call for it.
         self.pageable = self.device is not None and any(
-            r.device is None and not r.tensor.is_pinned() for r in self.dst + self.src)
+            r.device is None and r.tensor is not None and not r.tensor.is_pinned() for r in self.dst + self.src)
         self.dst_rows = min(r.rows for r in self.dst)
         self.src_rows = min(r.rows for r in self.src)
         # Per-pair constants of the copy descriptors, as CPU int64 columns.

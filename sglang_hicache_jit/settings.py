@@ -21,6 +21,7 @@ PREBUILT_DIRS = "SGLANG_HICACHE_JIT_PREBUILT_DIRS"
 CACHE_MAX_SIZE = "SGLANG_HICACHE_JIT_CACHE_MAX_SIZE"
 LOCK_DIR = "SGLANG_HICACHE_JIT_LOCK_DIR"
 TORCH_ARCH_LIST = "TORCH_CUDA_ARCH_LIST"
+SGLANG_PLUGIN = "SGLANG_HICACHE_JIT_SGLANG_PLUGIN"
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -51,6 +52,11 @@ def arch_request() -> tuple[str, str] | None:
 def disabled() -> bool:
     """SGLANG_HICACHE_JIT_DISABLE=1 turns the JIT kernels off (the probe says 'disabled')."""
     return _flag(DISABLE)
+
+
+def sglang_plugin_enabled() -> bool:
+    """SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0 leaves SGLang exactly as it is (the plugin patches nothing)."""
+    return os.environ.get(SGLANG_PLUGIN, "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
 def strict() -> bool:

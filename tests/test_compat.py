@@ -10,8 +10,8 @@ from sglang_hicache_jit import compat
 KW = inspect.Parameter.KEYWORD_ONLY
 POS = inspect.Parameter.POSITIONAL_OR_KEYWORD
 
-# Argument names and kinds of sglang.kernels.ops.kvcache.hicache in SGLang 0.5.x
-# (plus page_size, accepted and ignored).
+# Argument names and kinds of sglang.kernels.ops.kvcache.hicache in SGLang 0.5.23
+# (test_sglang_integration.py compares against the installed module as well).
 UPSTREAM = {
     "transfer_hicache_one_layer": (
         ["k_cache_dst", "v_cache_dst", "indices_dst", "k_cache_src", "v_cache_src", "indices_src"],
@@ -26,10 +26,26 @@ UPSTREAM = {
     "transfer_hicache_all_layer_mla": (
         ["ptr_dst", "indices_dst", "ptr_src", "indices_src"],
         ["cache_src_stride_bytes", "cache_dst_stride_bytes", "element_size", "unroll", "block_quota", "page_size"]),
-    "can_use_hicache_jit_kernel": ([], ["element_size", "unroll", "block_quota", "staged"]),
+    "transfer_hicache_all_layer_staged_lf_pf": (
+        ["k_ptr_src", "v_ptr_src", "src_indices", "dst_indices", "staging_k", "staging_v", "dst_k", "dst_v"],
+        ["page_size", "element_size", "unroll", "block_quota"]),
+    "transfer_hicache_all_layer_mla_staged_lf_pf": (
+        ["ptr_src", "src_indices", "dst_indices", "staging", "dst"],
+        ["page_size", "element_size", "unroll", "block_quota"]),
+    "transfer_hicache_one_layer_page_unified_lf": (
+        ["k_cache_dst", "v_cache_dst", "src", "src_indices", "dst_indices", "layer_id"], ["block_quota"]),
+    "transfer_hicache_one_layer_mla_page_unified_lf": (
+        ["cache_dst", "src", "src_indices", "dst_indices", "layer_id"], ["block_quota"]),
+    "transfer_hicache_all_layer_staged_lf_page_unified": (
+        ["k_ptr_src", "v_ptr_src", "src_pages", "dst_pages", "staging", "dst"], []),
+    "transfer_hicache_all_layer_mla_staged_lf_page_unified": (
+        ["ptr_src", "src_pages", "dst_pages", "staging", "dst"], []),
+    "can_use_hicache_jit_kernel": ([], ["element_size", "unroll", "block_quota", "page_size"]),
+    "can_use_write_back_jit_kernel": ([], ["element_size", "unroll", "block_quota"]),
+    "can_use_page_unified_load_back_jit_kernel": ([], ["group_bytes", "block_quota"]),
 }
 REQUIRED_KW = {"kv_cache_src_stride_bytes", "kv_cache_dst_stride_bytes", "cache_src_stride_bytes",
-               "cache_dst_stride_bytes", "element_size"}
+               "cache_dst_stride_bytes", "page_size", "group_bytes"}
 
 
 @pytest.mark.parametrize("name", sorted(UPSTREAM))
@@ -40,12 +56,17 @@ def test_signature_matches_upstream(name):
     assert [p for p, v in params.items() if v.kind == KW] == keyword
     for p in keyword:
         required = params[p].default is inspect.Parameter.empty
-        assert required == (p in REQUIRED_KW and not (name.startswith("transfer") and p == "element_size")), p
+        expect = (p in REQUIRED_KW and not (p == "page_size" and "staged_lf_pf" not in name)) or (
+            p == "element_size" and name.startswith("can_use"))
+        assert required == expect, p
 
 
 def test_can_use_never_raises_and_says_no_for_bad_rows():
     assert compat.can_use_hicache_jit_kernel(element_size=6) is False
     assert isinstance(compat.can_use_hicache_jit_kernel(element_size=576), bool)
+    assert isinstance(compat.can_use_hicache_jit_kernel(element_size=576, page_size=64), bool)
+    for bad in ([576], 2.5, "288", None, -4):
+        assert compat.can_use_hicache_jit_kernel(element_size=bad) is False
 
 
 def test_all_layer_needs_element_size_when_strides_differ():

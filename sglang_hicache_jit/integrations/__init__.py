@@ -1,0 +1,1 @@
+"""Integrations with serving engines; each talks to its engine only through the public transfer API."""

@@ -1,0 +1,562 @@
+"""The transfer functions SGLang's host pools call once the plugin is active.
+
+Two families, each under the exact name and signature SGLang imports it by:
+
+* ``sglang.kernels.ops.kvcache.hicache`` (the JIT ops): ``can_use_*`` and the
+  ``transfer_hicache_*`` functions;
+* ``sgl_kernel.kvcacheio`` (the ahead-of-time package): ``transfer_kv_*``.
+
+Every transfer runs this package's JIT kernel when the probe says ``ok`` for
+its row size, and the GPU's copy engines (``direct.py``) otherwise, so no
+call depends on sgl-kernel, and no row size or kernel failure makes a pool
+raise. That is why the routed ``can_use_hicache_jit_kernel`` answers True for
+any positive row size: the "JIT" names can always be served. The routed
+``can_use_write_back_jit_kernel`` answers False on purpose: the staged
+write-back only exists upstream to work around a slow page_first write, and
+saying no spares the GPU staging buffer the pools would otherwise allocate
+(64 pages x all layers: about 288 MB for DeepSeek-V3 at page 64); the pools
+then call ``transfer_kv_all_layer*_lf_pf``, which the all-layer kernel
+writes straight into the page_first host buffer.
+
+The copy-engine fallback needs host-side addresses for pointer tables; it
+reads each table once (one device sync per table for the life of the pool).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import threading
+import weakref
+
+import torch
+
+from .. import compat, direct, ops
+from ..probe import probe
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------
+# Path choice.
+
+_kernel_ok: dict = {}
+_choice_lock = threading.Lock()
+_copy_engines_only = contextvars.ContextVar("sglang_hicache_jit_copy_engines_only", default=False)
+
+
+@contextlib.contextmanager
+def copy_engines_only():
+    """Within this block every routed transfer uses the copy engines (a pool
+    asked for io_backend='direct' on a layout its direct branch lacks)."""
+    token = _copy_engines_only.set(True)
+    try:
+        yield
+    finally:
+        _copy_engines_only.reset(token)
+
+
+def kernel_available(element_size: int) -> bool:
+    """Whether rows of ``element_size`` bytes go through the JIT kernel.
+    Asked once per row size and process (``reset()`` forgets)."""
+    if _copy_engines_only.get():
+        return False
+    ok = _kernel_ok.get(element_size)
+    if ok is None:
+        with _choice_lock:
+            result = probe(element_size)
+            ok = _kernel_ok[element_size] = result.available
+            if not ok:
+                log.warning("sglang-hicache-jit: rows of %s B use the copy-engine path: [%s] %s", element_size,
+                            result.code, result.reason)
+    return ok
+
+
+def reset() -> None:
+    """Forgets the per-row-size choices (tests, or after a clean)."""
+    _kernel_ok.clear()
+    _table_values.clear()
+
+
+def path_for(element_size: int) -> str:
+    """'kernel' or 'direct': what rows of this size use now."""
+    return "kernel" if kernel_available(element_size) else "direct"
+
+
+def _row_bytes(t: torch.Tensor, element_dim: int) -> int:
+    return element_dim * t.element_size()
+
+
+# ---------------------------------------------------------------------------
+# Copy-engine helpers.
+
+_table_values: dict = {}
+
+
+def _addresses(table: torch.Tensor) -> list[int]:
+    """The addresses in a per-layer pointer table, read once per table."""
+    key = id(table)
+    hit = _table_values.get(key)
+    if hit is not None and hit[0]() is table and hit[1] == table.data_ptr():
+        return hit[2]
+    values = [v & 0xFFFFFFFFFFFFFFFF for v in table.view(torch.int64).tolist()]
+    if len(_table_values) >= 256:
+        _table_values.clear()
+    _table_values[key] = (weakref.ref(table), table.data_ptr(), values)
+    return values
+
+
+def _raw_pairs(dst_table, src_table, dst_stride: int, src_stride: int, row_bytes: int) -> list:
+    device = (src_table if src_table.is_cuda else dst_table).device.index
+    return [(direct.Rows.at(d, dst_stride, row_bytes, device), direct.Rows.at(s, src_stride, row_bytes, device))
+            for d, s in zip(_addresses(dst_table), _addresses(src_table))]
+
+
+def _copy(pairs, indices_dst, indices_src) -> None:
+    direct.copy_rows(pairs, indices_dst, indices_src)
+
+
+def _view_rows(t: torch.Tensor, row_elems: int) -> torch.Tensor:
+    return t.view(-1, row_elems) if t.dim() != 2 or t.shape[1] != row_elems else t
+
+
+def _layer_of(buffer: torch.Tensor, layer_id: int, item_size: int, layout_dim: int) -> torch.Tensor:
+    """Rows of one layer inside a page_first buffer: ``(slots, row)``, stride ``layout_dim`` bytes."""
+    itemsize = buffer.element_size()
+    flat = buffer.view(buffer.shape[0], -1)
+    if flat.shape[1] * itemsize != layout_dim:
+        raise ValueError(f"a token of this buffer holds {flat.shape[1] * itemsize} bytes, not "
+                         f"src_layout_dim={layout_dim}")
+    e = item_size // itemsize
+    return flat[:, layer_id * e:(layer_id + 1) * e]
+
+
+# ---------------------------------------------------------------------------
+# sglang.kernels.ops.kvcache.hicache, routed.
+
+def can_use_hicache_jit_kernel(
+    *,
+    element_size: int,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+    page_size: int | None = None,
+) -> bool:
+    """True for any positive row size: the routed transfers below serve it
+    with the kernel or the copy engines. Never raises."""
+    try:
+        ok = not isinstance(element_size, bool) and isinstance(element_size, int) and element_size > 0
+        if ok:
+            kernel_available(element_size)  # probe (and maybe build) now, not on the first transfer
+        return ok
+    except Exception as exc:  # must never raise
+        log.warning("sglang-hicache-jit: probe failed: %s", exc)
+        return True
+
+
+def can_use_write_back_jit_kernel(
+    *,
+    element_size: int,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+) -> bool:
+    """False on purpose (see the module docstring): no staging buffer needed."""
+    return False
+
+
+def transfer_hicache_one_layer(
+    k_cache_dst: torch.Tensor,
+    v_cache_dst: torch.Tensor,
+    indices_dst: torch.Tensor,
+    k_cache_src: torch.Tensor,
+    v_cache_src: torch.Tensor,
+    indices_src: torch.Tensor,
+    *,
+    element_dim: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+    page_size: int | None = None,
+) -> None:
+    element_dim = element_dim or k_cache_dst.size(-1)
+    if kernel_available(_row_bytes(k_cache_dst, element_dim)):
+        compat.transfer_hicache_one_layer(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
+                                          indices_src, element_dim=element_dim, block_quota=block_quota)
+        return
+    _copy([(_view_rows(k_cache_dst, element_dim), _view_rows(k_cache_src, element_dim)),
+           (_view_rows(v_cache_dst, element_dim), _view_rows(v_cache_src, element_dim))], indices_dst, indices_src)
+
+
+def transfer_hicache_one_layer_mla(
+    cache_dst: torch.Tensor,
+    indices_dst: torch.Tensor,
+    cache_src: torch.Tensor,
+    indices_src: torch.Tensor,
+    *,
+    element_dim: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+    page_size: int | None = None,
+) -> None:
+    element_dim = element_dim or cache_dst.size(-1)
+    if kernel_available(_row_bytes(cache_dst, element_dim)):
+        compat.transfer_hicache_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src,
+                                              element_dim=element_dim, block_quota=block_quota)
+        return
+    _copy([(_view_rows(cache_dst, element_dim), _view_rows(cache_src, element_dim))], indices_dst, indices_src)
+
+
+def transfer_hicache_all_layer(
+    k_ptr_dst: torch.Tensor,
+    v_ptr_dst: torch.Tensor,
+    indices_dst: torch.Tensor,
+    k_ptr_src: torch.Tensor,
+    v_ptr_src: torch.Tensor,
+    indices_src: torch.Tensor,
+    *,
+    kv_cache_src_stride_bytes: int,
+    kv_cache_dst_stride_bytes: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+    page_size: int | None = None,
+) -> None:
+    size = compat._element_size(element_size, kv_cache_src_stride_bytes, kv_cache_dst_stride_bytes,
+                                "kv_cache_src_stride_bytes and kv_cache_dst_stride_bytes")
+    if kernel_available(size):
+        compat.transfer_hicache_all_layer(k_ptr_dst, v_ptr_dst, indices_dst, k_ptr_src, v_ptr_src, indices_src,
+                                          kv_cache_src_stride_bytes=kv_cache_src_stride_bytes,
+                                          kv_cache_dst_stride_bytes=kv_cache_dst_stride_bytes, element_size=size,
+                                          block_quota=block_quota)
+        return
+    _copy(_raw_pairs(k_ptr_dst, k_ptr_src, kv_cache_dst_stride_bytes, kv_cache_src_stride_bytes, size)
+          + _raw_pairs(v_ptr_dst, v_ptr_src, kv_cache_dst_stride_bytes, kv_cache_src_stride_bytes, size),
+          indices_dst, indices_src)
+
+
+def transfer_hicache_all_layer_mla(
+    ptr_dst: torch.Tensor,
+    indices_dst: torch.Tensor,
+    ptr_src: torch.Tensor,
+    indices_src: torch.Tensor,
+    *,
+    cache_src_stride_bytes: int,
+    cache_dst_stride_bytes: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+    page_size: int | None = None,
+) -> None:
+    size = compat._element_size(element_size, cache_src_stride_bytes, cache_dst_stride_bytes,
+                                "cache_src_stride_bytes and cache_dst_stride_bytes")
+    if kernel_available(size):
+        compat.transfer_hicache_all_layer_mla(ptr_dst, indices_dst, ptr_src, indices_src,
+                                              cache_src_stride_bytes=cache_src_stride_bytes,
+                                              cache_dst_stride_bytes=cache_dst_stride_bytes, element_size=size,
+                                              block_quota=block_quota)
+        return
+    _copy(_raw_pairs(ptr_dst, ptr_src, cache_dst_stride_bytes, cache_src_stride_bytes, size), indices_dst,
+          indices_src)
+
+
+def _staged_pairs(ptr_src, dst, size, layout_dim) -> list:
+    device = ptr_src.device.index
+    layers = dst.view(dst.shape[0], dst.shape[1], -1)
+    return [(layers[:, layer], direct.Rows.at(src, size, size, device))
+            for layer, src in enumerate(_addresses(ptr_src))]
+
+
+def transfer_hicache_all_layer_staged_lf_pf(
+    k_ptr_src: torch.Tensor,
+    v_ptr_src: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    staging_k: torch.Tensor,
+    staging_v: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    *,
+    page_size: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+) -> None:
+    size, layout_dim = compat.staged_geometry(staging_k, dst_k, element_size)
+    if kernel_available(size):
+        compat.transfer_hicache_all_layer_staged_lf_pf(k_ptr_src, v_ptr_src, src_indices, dst_indices, staging_k,
+                                                       staging_v, dst_k, dst_v, page_size=page_size,
+                                                       element_size=size, block_quota=block_quota)
+        return
+    _copy(_staged_pairs(k_ptr_src, dst_k, size, layout_dim) + _staged_pairs(v_ptr_src, dst_v, size, layout_dim),
+          dst_indices, src_indices)
+
+
+def transfer_hicache_all_layer_mla_staged_lf_pf(
+    ptr_src: torch.Tensor,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    staging: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    page_size: int,
+    element_size: int | None = None,
+    unroll: int | None = None,
+    block_quota: int | None = None,
+) -> None:
+    size, layout_dim = compat.staged_geometry(staging, dst, element_size)
+    if kernel_available(size):
+        compat.transfer_hicache_all_layer_mla_staged_lf_pf(ptr_src, src_indices, dst_indices, staging, dst,
+                                                           page_size=page_size, element_size=size,
+                                                           block_quota=block_quota)
+        return
+    _copy(_staged_pairs(ptr_src, dst, size, layout_dim), dst_indices, src_indices)
+
+
+HICACHE_OPS = (
+    "can_use_hicache_jit_kernel",
+    "can_use_write_back_jit_kernel",
+    "transfer_hicache_one_layer",
+    "transfer_hicache_one_layer_mla",
+    "transfer_hicache_all_layer",
+    "transfer_hicache_all_layer_mla",
+    "transfer_hicache_all_layer_staged_lf_pf",
+    "transfer_hicache_all_layer_mla_staged_lf_pf",
+)
+
+
+# ---------------------------------------------------------------------------
+# sgl_kernel.kvcacheio, routed. ``block_quota`` and ``num_warps_per_block``
+# are upstream's launch knobs: block_quota is passed on only when the caller
+# changed it from upstream's default 2 (this kernel's defaults are measured).
+
+def _quota(block_quota):
+    return None if block_quota == 2 else block_quota
+
+
+def _one_layer(pairs_kv: list, indices_dst, indices_src, item_size: int, block_quota) -> None:
+    """Copies one layer: ``pairs_kv`` = [(dst_rows, src_rows)] for MLA or K and V."""
+    if kernel_available(item_size):
+        if len(pairs_kv) == 1:
+            (dst, src), = pairs_kv
+            ops.transfer_one_layer_mla(dst, indices_dst, src, indices_src, block_quota=_quota(block_quota))
+        else:
+            (kd, ks), (vd, vs) = pairs_kv
+            ops.transfer_one_layer(kd, vd, indices_dst, ks, vs, indices_src, block_quota=_quota(block_quota))
+        return
+    _copy(pairs_kv, indices_dst, indices_src)
+
+
+def _packed_rows(t: torch.Tensor, item_size: int, name: str) -> torch.Tensor:
+    itemsize = t.element_size()
+    if item_size % itemsize:
+        raise ValueError(f"item_size={item_size} is not a whole number of {t.dtype} elements")
+    rows = t.view(t.shape[0], -1) if t.dim() > 1 else t.view(-1, item_size // itemsize)
+    if rows.shape[1] * itemsize != item_size:
+        raise ValueError(f"{name}: a slot holds {rows.shape[1] * itemsize} bytes, not item_size={item_size}")
+    return rows
+
+
+def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size, block_quota=2,
+                          num_warps_per_block=32):
+    _one_layer([(_packed_rows(dst_k, item_size, "dst_k"), _packed_rows(src_k, item_size, "src_k")),
+                (_packed_rows(dst_v, item_size, "dst_v"), _packed_rows(src_v, item_size, "src_v"))],
+               dst_indices, src_indices, item_size, block_quota)
+
+
+def transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size,
+                                src_layout_dim, block_quota=2, num_warps_per_block=32):
+    _one_layer([(_packed_rows(dst_k, item_size, "dst_k"), _layer_of(src_k, layer_id, item_size, src_layout_dim)),
+                (_packed_rows(dst_v, item_size, "dst_v"), _layer_of(src_v, layer_id, item_size, src_layout_dim))],
+               dst_indices, src_indices, item_size, block_quota)
+
+
+def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, block_quota=2, num_warps_per_block=32):
+    _one_layer([(_packed_rows(dst, item_size, "dst"), _packed_rows(src, item_size, "src"))], dst_indices,
+               src_indices, item_size, block_quota)
+
+
+def transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim,
+                                    block_quota=2, num_warps_per_block=32):
+    _one_layer([(_packed_rows(dst, item_size, "dst"), _layer_of(src, layer_id, item_size, src_layout_dim))],
+               dst_indices, src_indices, item_size, block_quota)
+
+
+def _all_layers(dst_tables, src_tables, indices_dst, indices_src, *, dst_stride, src_stride, item_size,
+                block_quota) -> None:
+    if kernel_available(item_size):
+        ops.transfer_pointer_tables(dst_tables if len(dst_tables) > 1 else dst_tables[0], indices_dst,
+                                    src_tables if len(src_tables) > 1 else src_tables[0], indices_src,
+                                    dst_stride_bytes=dst_stride, src_stride_bytes=src_stride, element_size=item_size,
+                                    block_quota=_quota(block_quota))
+        return
+    pairs = []
+    for d, s in zip(dst_tables, src_tables):
+        pairs += _raw_pairs(d, s, dst_stride, src_stride, item_size)
+    _copy(pairs, indices_dst, indices_src)
+
+
+def _check_layers(num_layers, *tables) -> None:
+    for t in tables:
+        if t.numel() != num_layers:
+            raise ValueError(f"num_layers={num_layers} but a pointer table holds {t.numel()} layers")
+
+
+def transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices,
+                          item_size, num_layers, block_quota=2, num_warps_per_block=32):
+    _check_layers(num_layers, src_k_layers, dst_k_layers, src_v_layers, dst_v_layers)
+    _all_layers((dst_k_layers, dst_v_layers), (src_k_layers, src_v_layers), dst_indices, src_indices,
+                dst_stride=item_size, src_stride=item_size, item_size=item_size, block_quota=block_quota)
+
+
+def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers,
+                              block_quota=2, num_warps_per_block=32):
+    _check_layers(num_layers, src_layers, dst_layers)
+    _all_layers((dst_layers,), (src_layers,), dst_indices, src_indices, dst_stride=item_size, src_stride=item_size,
+                item_size=item_size, block_quota=block_quota)
+
+
+def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size,
+                                dst_layout_dim, num_layers, block_quota=2, num_warps_per_block=32):
+    _check_layers(num_layers, src_k_layers, src_v_layers)
+    device = src_k_layers.device
+    tables = (compat.host_layer_table(dst_k, num_layers, item_size, device),
+              compat.host_layer_table(dst_v, num_layers, item_size, device))
+    _all_layers(tables, (src_k_layers, src_v_layers), dst_indices, src_indices, dst_stride=dst_layout_dim,
+                src_stride=item_size, item_size=item_size, block_quota=block_quota)
+
+
+def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim,
+                                    num_layers, block_quota=2, num_warps_per_block=32):
+    _check_layers(num_layers, src_layers)
+    table = compat.host_layer_table(dst, num_layers, item_size, src_layers.device)
+    _all_layers((table,), (src_layers,), dst_indices, src_indices, dst_stride=dst_layout_dim, src_stride=item_size,
+                item_size=item_size, block_quota=block_quota)
+
+
+# page_head host layout: (pages, heads, page_size, layers, head_dim) per cache.
+# A token's row is split into one head_dim piece per head, so each head is
+# its own pair: device rows (slots, head_dim) at stride heads*head_dim, host
+# rows addressed as page*(heads*page_size*layers) + offset*layers (+ head and
+# layer folded into the base).
+
+def _page_head_rows(indices: torch.Tensor, page_size: int, heads: int, layers: int) -> torch.Tensor:
+    indices = indices.to(torch.int64)
+    rows = (torch.div(indices, page_size, rounding_mode="floor") * (heads * page_size * layers)
+            + torch.remainder(indices, page_size) * layers)
+    return torch.where(indices < 0, indices, rows)
+
+
+def _page_head_pairs(host: torch.Tensor, device_rows: torch.Tensor, layer_id: int, item_size: int, page_size: int,
+                     heads: int, *, host_is_dst: bool) -> list:
+    head_elems = item_size // host.element_size() // heads
+    flat = host.view(-1, head_elems)
+    layers = host.shape[-2] if host.dim() >= 5 else flat.shape[0] // (host.shape[0] * heads * page_size)
+    span = flat.shape[0] - ((heads - 1) * page_size * layers + layer_id)
+    dev = device_rows.view(device_rows.shape[0], heads, head_elems)
+    pairs = []
+    for h in range(heads):
+        base = h * page_size * layers + layer_id
+        pair = (flat[base:base + span], dev[:, h])
+        pairs.append(pair if host_is_dst else pair[::-1])
+    return pairs, layers
+
+
+def _page_head_copy(pairs, host_idx, device_idx, *, host_is_dst: bool, item_size: int, heads: int, block_quota):
+    """Runs head pairs (dst, src) with one index map for the host side."""
+    indices_dst, indices_src = (host_idx, device_idx) if host_is_dst else (device_idx, host_idx)
+    if kernel_available(item_size // heads):
+        for dst, src in pairs:
+            ops.transfer_one_layer_mla(dst, indices_dst, src, indices_src, block_quota=_quota(block_quota))
+        return
+    _copy(pairs, indices_dst, indices_src)
+
+
+def transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size,
+                                src_layout_dim, page_size, head_num, block_quota=2, num_warps_per_block=32):
+    pairs = []
+    for host, dev in ((src_k, dst_k), (src_v, dst_v)):
+        p, layers = _page_head_pairs(host, dev, layer_id, item_size, page_size, head_num, host_is_dst=False)
+        pairs += p
+    rows = _page_head_rows(src_indices, page_size, head_num, layers)
+    _page_head_copy(pairs, rows, dst_indices, host_is_dst=False, item_size=item_size, heads=head_num,
+                    block_quota=block_quota)
+
+
+def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size,
+                                dst_layout_dim, num_layers, page_size, head_num, block_quota=2,
+                                num_warps_per_block=32):
+    _check_layers(num_layers, src_k_layers, src_v_layers)
+    head_bytes = item_size // head_num
+    device = src_k_layers.device.index
+    rows = _page_head_rows(dst_indices, page_size, head_num, num_layers)
+    pairs = []
+    for host, table in ((dst_k, src_k_layers), (dst_v, src_v_layers)):
+        flat = host.view(-1, head_bytes // host.element_size())
+        for layer, address in enumerate(_addresses(table)):
+            span = flat.shape[0] - ((head_num - 1) * page_size * num_layers + layer)
+            for h in range(head_num):
+                base = h * page_size * num_layers + layer
+                pairs.append((flat[base:base + span], direct.Rows.at(address + h * head_bytes, item_size, head_bytes,
+                                                                     device)))
+    # Raw device rows: the copy engines serve this layout whatever the probe says.
+    _copy(pairs, rows, src_indices)
+
+
+# The direct ops: upstream moves runs of page_size tokens with cudaMemcpyAsync.
+# Here the rows are planned by direct.py (maximal runs, 2-D copies for
+# strided rows, one batched submission), so any page size and stride work.
+
+def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
+    if len(src_layers) != len(dst_layers):
+        raise ValueError(f"src_layers has {len(src_layers)} tensors but dst_layers has {len(dst_layers)}")
+    _copy([(_rows_of(d), _rows_of(s)) for d, s in zip(dst_layers, src_layers)], dst_indices, src_indices)
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
+    return t.view(t.shape[0], -1) if t.dim() > 2 else t
+
+
+def _page_first_direct_rows(buffer: torch.Tensor, layer_id: int, page_size: int, indices: torch.Tensor):
+    """(flat rows, host row per token) of one layer of a (pages, layers, page_size, ...) buffer."""
+    pages, layers = buffer.shape[0], buffer.shape[1]
+    flat = buffer.view(pages * layers * page_size, -1)
+    rows = compat._token_rows(indices, page_size, layers * page_size)
+    span = flat.shape[0] - layer_id * page_size
+    return flat[layer_id * page_size:layer_id * page_size + span], rows
+
+
+def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
+    if len(src_ptrs) != len(dst_ptrs):
+        raise ValueError(f"src_ptrs has {len(src_ptrs)} buffers but dst_ptrs has {len(dst_ptrs)} layers")
+    pairs, rows = [], None
+    for host, dev in zip(src_ptrs, dst_ptrs):
+        flat, rows = _page_first_direct_rows(host, layer_id, host.shape[2], src_indices)
+        pairs.append((_rows_of(dev), flat))
+    _copy(pairs, dst_indices, rows)
+
+
+def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
+    layers_per_buffer = len(src_ptrs) // max(1, len(dst_ptrs))
+    if layers_per_buffer * len(dst_ptrs) != len(src_ptrs):
+        raise ValueError(f"src_ptrs has {len(src_ptrs)} layers, not a multiple of the {len(dst_ptrs)} buffers")
+    pairs, rows = [], None
+    for b, host in enumerate(dst_ptrs):
+        for layer in range(layers_per_buffer):
+            flat, rows = _page_first_direct_rows(host, layer, host.shape[2], dst_indices)
+            pairs.append((flat, _rows_of(src_ptrs[b * layers_per_buffer + layer])))
+    _copy(pairs, rows, src_indices)
+
+
+KVCACHEIO_OPS = (
+    "transfer_kv_per_layer",
+    "transfer_kv_per_layer_pf_lf",
+    "transfer_kv_per_layer_ph_lf",
+    "transfer_kv_per_layer_mla",
+    "transfer_kv_per_layer_mla_pf_lf",
+    "transfer_kv_all_layer",
+    "transfer_kv_all_layer_lf_pf",
+    "transfer_kv_all_layer_lf_ph",
+    "transfer_kv_all_layer_mla",
+    "transfer_kv_all_layer_mla_lf_pf",
+    "transfer_kv_direct",
+    "transfer_kv_per_layer_direct_pf_lf",
+    "transfer_kv_all_layer_direct_lf_pf",
+)

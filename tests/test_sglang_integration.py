@@ -1,0 +1,225 @@
+"""SGLang 0.5.23 itself, with this package installed: signatures, plugin discovery, pools.
+
+These tests need sglang importable (``pip install --no-deps sglang==0.5.23``
+and ``pip install -e ".[sglang]"``, as .ci/run does). Without it they skip,
+unless SGLANG_HICACHE_JIT_REQUIRE_SGLANG=1 (set in CI), which turns the skip
+into a failure. The plugin is found through the installed distribution's
+entry points, so the package must be pip-installed, not just on PYTHONPATH.
+
+Pool tests run tests/sglang_cells.py in a fresh process (the plugin patches
+process-wide state) with tests/sglang_stubs first on the path: sgl-kernel is
+then importable but every op in it raises, which is the deployment this
+package exists for.
+"""
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+STUBS = HERE / "sglang_stubs"
+
+
+def _sglang_or_skip():
+    try:
+        import sglang.kernels.ops.kvcache.hicache as upstream
+    except Exception as exc:  # ImportError, or a missing dependency of sglang's import chain
+        if os.environ.get("SGLANG_HICACHE_JIT_REQUIRE_SGLANG") == "1":
+            pytest.fail(f"sglang is required here (SGLANG_HICACHE_JIT_REQUIRE_SGLANG=1) but does not import: {exc}")
+        pytest.skip(f"sglang 0.5.23 is not importable: {exc}")
+    return upstream
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    return _sglang_or_skip()
+
+
+def _params(fn):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+UPSTREAM_HICACHE = (
+    "can_use_hicache_jit_kernel", "can_use_write_back_jit_kernel", "can_use_page_unified_load_back_jit_kernel",
+    "transfer_hicache_one_layer", "transfer_hicache_one_layer_mla", "transfer_hicache_all_layer",
+    "transfer_hicache_all_layer_mla", "transfer_hicache_all_layer_staged_lf_pf",
+    "transfer_hicache_all_layer_mla_staged_lf_pf", "transfer_hicache_one_layer_page_unified_lf",
+    "transfer_hicache_one_layer_mla_page_unified_lf", "transfer_hicache_all_layer_staged_lf_page_unified",
+    "transfer_hicache_all_layer_mla_staged_lf_page_unified",
+)
+
+
+def test_compat_covers_every_public_transfer_function(upstream):
+    from sglang_hicache_jit import compat
+
+    public = {n for n, f in vars(upstream).items()
+              if callable(f) and not n.startswith("_") and getattr(f, "__module__", "") == upstream.__name__
+              and (n.startswith("transfer_") or n.startswith("can_use_"))}
+    assert public == set(UPSTREAM_HICACHE)
+    assert set(compat.__all__) == public
+
+
+@pytest.mark.parametrize("name", UPSTREAM_HICACHE)
+def test_compat_signature_equals_installed_sglang(upstream, name):
+    from sglang_hicache_jit import compat
+
+    assert _params(getattr(compat, name)) == _params(getattr(upstream, name))
+
+
+def test_routed_ops_have_upstream_signatures(upstream):
+    from sglang_hicache_jit.integrations import sglang_ops
+
+    for name in sglang_ops.HICACHE_OPS:
+        assert _params(getattr(sglang_ops, name)) == _params(getattr(upstream, name)), name
+
+
+def test_routed_kvcacheio_ops_have_sgl_kernel_signatures():
+    # The stand-in declares sgl-kernel's published kvcacheio signatures.
+    sys.path.insert(0, str(STUBS))
+    try:
+        import importlib
+
+        kvcacheio = importlib.import_module("sgl_kernel.kvcacheio")
+    finally:
+        sys.path.remove(str(STUBS))
+    from sglang_hicache_jit.integrations import sglang_ops
+
+    for name in sglang_ops.KVCACHEIO_OPS:
+        assert _params(getattr(sglang_ops, name)) == _params(getattr(kvcacheio, name)), name
+
+
+@pytest.mark.parametrize("element_size", [576, 6, 0, -4, [576], 2.5, "288", None, True])
+def test_can_use_never_raises(upstream, element_size):
+    from sglang_hicache_jit import compat
+    from sglang_hicache_jit.integrations import sglang_ops
+
+    assert isinstance(compat.can_use_hicache_jit_kernel(element_size=element_size), bool)
+    assert isinstance(compat.can_use_write_back_jit_kernel(element_size=element_size), bool)
+    assert isinstance(compat.can_use_page_unified_load_back_jit_kernel(group_bytes=element_size), bool)
+    assert isinstance(sglang_ops.can_use_hicache_jit_kernel(element_size=element_size), bool)
+
+
+def _run_cells(mode: str, *, env=None, only: str = "", timeout: int = 600):
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join([str(STUBS), str(HERE.parent), child_env.get("PYTHONPATH", "")])
+    child_env.update(env or {})
+    args = [sys.executable, str(HERE / "sglang_cells.py"), mode] + (["--only", only] if only else [])
+    proc = subprocess.run(args, capture_output=True, text=True, env=child_env, timeout=timeout)
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return proc, records
+
+
+def _cell_failures(records):
+    return [f"{r['cell']}: {r['error']}\n{r.get('trace', '')}" for r in records if "cell" in r and not r["ok"]]
+
+
+def test_plugin_is_discovered_and_every_pool_builds(upstream):
+    proc, records = _run_cells("construct")
+    assert records, proc.stderr[-3000:]
+    header = records[0]
+    assert header["plugin"]["registered"] is True, header
+    assert header["skipped"] == [], header["skipped"]
+    assert header["patched"] == 33
+    assert not _cell_failures(records), "\n".join(_cell_failures(records))
+    assert records[-1]["summary"]["cells"] == 56 and proc.returncode == 0
+    assert "Traceback" not in proc.stderr
+
+
+# Prints, for each name a pool module calls, the module of what runs when it is called: a
+# REPLACE hook wraps the original with functools.wraps, so look at the hook in the wrapper.
+_WHO_RUNS = """
+import inspect, logging
+logging.basicConfig(level=logging.INFO)
+from sglang.srt.plugins import load_plugins
+load_plugins()
+import sglang.srt.mem_cache.pool_host.mla as m, sgl_kernel.kvcacheio as k
+# Without CUDA the pool modules skip their sgl_kernel imports; the source module is patched either way.
+d = m if hasattr(m, "transfer_kv_per_layer_mla") else k
+def who(fn):
+    hook = inspect.getclosurevars(fn).nonlocals.get("hook") if hasattr(fn, "__wrapped__") else None
+    return (hook or fn).__module__
+print(who(m.jit_transfer_hicache_one_layer_mla), who(d.transfer_kv_per_layer_mla),
+      who(d.transfer_kv_all_layer_mla_lf_pf), who(m.can_use_hicache_jit_kernel))
+"""
+
+
+def _who_runs(env):
+    child_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(STUBS), os.environ.get("PYTHONPATH", "")]), **env)
+    out = subprocess.run([sys.executable, "-c", _WHO_RUNS], capture_output=True, text=True, env=child_env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split(), out.stderr
+
+
+@pytest.mark.parametrize("env", [{"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0"}, {"SGLANG_PLUGINS": "someone_else"}])
+def test_plugin_can_be_turned_off(upstream, env):
+    names, _ = _who_runs(env)
+    assert names == ["sglang.kernels.ops.kvcache.hicache", "sgl_kernel.kvcacheio", "sgl_kernel.kvcacheio",
+                     "sglang.kernels.ops.kvcache.hicache"]
+
+
+def test_plugin_routes_pool_modules_to_this_package(upstream):
+    names, log = _who_runs({})
+    assert names == ["sglang_hicache_jit.integrations.sglang_ops"] * 4
+    assert "sglang-hicache-jit: sglang 0.5.23: routing 21 HiCache ops and 12 pool methods" in log
+
+
+def test_register_never_raises(upstream, monkeypatch, caplog):
+    from sglang_hicache_jit import settings
+    from sglang_hicache_jit.integrations import sglang as plugin
+
+    saved = dict(plugin.status)
+    plugin.reload_for_tests()
+
+    def broken():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(settings, "sglang_plugin_enabled", broken)
+    try:
+        plugin.register()  # must not raise
+        assert plugin.status["registered"] is False
+        assert "boom" in plugin.status["reason"]
+        assert "plugin not active" in caplog.text
+    finally:
+        plugin.status.update(saved)
+
+
+def test_targets_with_another_signature_are_skipped(upstream):
+    from sglang_hicache_jit.integrations import sglang as plugin
+    from sglang_hicache_jit.integrations import sglang_ops
+
+    class Renamed:
+        HICACHE_OPS = ("transfer_hicache_one_layer_mla",)
+        KVCACHEIO_OPS = ()
+
+        @staticmethod
+        def transfer_hicache_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *, element_dim=None):
+            pass
+
+    saved = dict(plugin.status)
+    plugin.reload_for_tests()
+    try:
+        assert plugin._op_targets(Renamed) == []
+        assert plugin.status["skipped"][0][0].endswith("transfer_hicache_one_layer_mla")
+        assert "signature differs" in plugin.status["skipped"][0][1]
+        chosen = plugin._op_targets(sglang_ops)
+        assert any(t.endswith("transfer_hicache_one_layer_mla") for t, _ in chosen)
+    finally:
+        plugin.status.update(saved)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("disable", ["0", "1"], ids=["kernel", "jit-disabled"])
+def test_every_cell_bit_exact_on_gpu(upstream, disable):
+    proc, records = _run_cells("transfer", env={"SGLANG_HICACHE_JIT_DISABLE": disable})
+    assert records, proc.stderr[-3000:]
+    failures = _cell_failures(records)
+    assert not failures, "\n".join(failures)
+    assert records[-1]["summary"] == {"cells": 56, "failed": 0}
+    paths = {p for r in records if "path" in r for p in r["path"].values()}
+    assert paths == ({"direct"} if disable == "1" else {"kernel"}), paths
