@@ -1,0 +1,211 @@
+"""GPU: every op SGLang's pools call, on the kernel path and the copy-engine path,
+bit for bit against torch indexing (no sglang needed)."""
+
+import contextlib
+
+import pytest
+import torch
+
+from sglang_hicache_jit import compat
+from sglang_hicache_jit.integrations import sglang_ops
+
+pytestmark = pytest.mark.gpu
+
+PAGE, LAYERS, HOST_PAGES, DEV_PAGES = 16, 3, 40, 20
+
+
+def rand(shape, dtype=torch.bfloat16, *, pin=False, device="cpu"):
+    t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+    t.view(torch.uint8).random_(0, 256)
+    return t
+
+
+def tokens(pages):
+    return (pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
+
+
+def pick(n, total, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(total, generator=g)[:n]
+
+
+def same(a, b):
+    return torch.equal(a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu())
+
+
+@pytest.fixture(params=["kernel", "direct"])
+def path(request):
+    ctx = sglang_ops.copy_engines_only() if request.param == "direct" else contextlib.nullcontext()
+    with ctx:
+        yield request.param
+
+
+def table(ts):
+    return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64, device="cuda")
+
+
+def test_one_layer_mla_page_first_view(path):
+    dim = 288  # 576 B of bf16
+    host = rand((HOST_PAGES * PAGE, LAYERS, 1, dim), pin=True)
+    dev = rand((DEV_PAGES * PAGE, 1, dim), device="cuda")
+    h, d = tokens(pick(6, HOST_PAGES, 1)), tokens(pick(6, DEV_PAGES, 2)).cuda()
+    before = host.clone()
+    sglang_ops.transfer_hicache_one_layer_mla(cache_dst=host.transpose(0, 1)[2], indices_dst=h, cache_src=dev,
+                                              indices_src=d, element_dim=dim, page_size=PAGE)
+    torch.cuda.synchronize()
+    expect = before.clone()
+    expect[h, 2] = dev[d].cpu()
+    assert same(host, expect)
+
+
+def test_all_layer_mha_pointer_tables(path):
+    heads, dim = 2, 64
+    dev_k = [rand((DEV_PAGES * PAGE, heads, dim), device="cuda") for _ in range(LAYERS)]
+    dev_v = [rand((DEV_PAGES * PAGE, heads, dim), device="cuda") for _ in range(LAYERS)]
+    host = rand((2, LAYERS, HOST_PAGES * PAGE, heads, dim), pin=True)
+    before = host.clone()
+    h, d = tokens(pick(5, HOST_PAGES, 3)), tokens(pick(5, DEV_PAGES, 4)).cuda()
+    row = heads * dim * 2
+    sglang_ops.transfer_hicache_all_layer(table(host[0]), table(host[1]), h.cuda(), table(dev_k), table(dev_v), d,
+                                          kv_cache_src_stride_bytes=row, kv_cache_dst_stride_bytes=row,
+                                          element_size=row)
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        before[0, layer, h] = dev_k[layer][d].cpu()
+        before[1, layer, h] = dev_v[layer][d].cpu()
+    assert same(host, before)
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["compat", "routed"])
+def test_staged_write_back_mla(path, routed):
+    if path == "direct" and not routed:
+        pytest.skip("compat is the kernel only")
+    dim = 328  # 656 B of uint8 pairs: use uint8 656
+    dev = [rand((DEV_PAGES * PAGE, 1, 656), torch.uint8, device="cuda") for _ in range(LAYERS)]
+    host = rand((HOST_PAGES * PAGE, LAYERS, 1, 656), torch.uint8, pin=True)
+    staging = torch.empty((4 * PAGE, LAYERS, 1, 656), dtype=torch.uint8, device="cuda")
+    before = host.clone()
+    h, d = tokens(pick(7, HOST_PAGES, 5)), tokens(pick(7, DEV_PAGES, 6)).cuda()
+    fn = sglang_ops if routed else compat
+    fn.transfer_hicache_all_layer_mla_staged_lf_pf(table(dev), d, h.cuda(), staging, host, page_size=PAGE)
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        before[h, layer] = dev[layer][d].cpu()
+    assert same(host, before) and dim
+
+
+def test_page_unified_mha_round_trip():
+    groups, layers, heads_in_group, dim = 2, LAYERS, 2, 64
+    heads = groups * heads_in_group
+    dev_k = [rand((DEV_PAGES * PAGE, heads, dim), device="cuda") for _ in range(layers)]
+    dev_v = [rand((DEV_PAGES * PAGE, heads, dim), device="cuda") for _ in range(layers)]
+    host = rand((HOST_PAGES, groups, layers, 2, PAGE, heads_in_group, dim), pin=True)
+    staging = torch.empty((2, *host.shape[1:]), dtype=host.dtype, device="cuda")
+    before = host.clone()
+    hp, dp = pick(6, HOST_PAGES, 7), pick(6, DEV_PAGES, 8)
+    compat.transfer_hicache_all_layer_staged_lf_page_unified(table(dev_k), table(dev_v), dp.cuda(), hp, staging, host)
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        for kv, src in ((0, dev_k[layer]), (1, dev_v[layer])):
+            rows = src[tokens(dp).cuda()].view(len(dp), PAGE, groups, heads_in_group, dim).cpu()
+            before[hp, :, layer, kv] = rows.permute(0, 2, 1, 3, 4)
+    assert same(host, before)
+    # Load layer 1 back into other device slots.
+    load = tokens(pick(6, DEV_PAGES, 9)).cuda()
+    k_before, v_before = dev_k[1].clone(), dev_v[1].clone()
+    compat.transfer_hicache_one_layer_page_unified_lf(dev_k[1], dev_v[1], host, tokens(hp).cuda(), load, 1)
+    torch.cuda.synchronize()
+    for kv, dst, old in ((0, dev_k[1], k_before), (1, dev_v[1], v_before)):
+        expect = old.clone()
+        expect[load] = host[hp, :, 1, kv].permute(0, 2, 1, 3, 4).reshape(-1, heads, dim).cuda()
+        assert same(dst, expect)
+
+
+def test_page_unified_mla_round_trip():
+    dim = 288
+    dev = [rand((DEV_PAGES * PAGE, 1, dim), device="cuda") for _ in range(LAYERS)]
+    host = rand((HOST_PAGES, LAYERS, PAGE, dim), pin=True)
+    staging = torch.empty((3, LAYERS, PAGE, dim), dtype=host.dtype, device="cuda")
+    before = host.clone()
+    hp, dp = pick(5, HOST_PAGES, 10), pick(5, DEV_PAGES, 11)
+    compat.transfer_hicache_all_layer_mla_staged_lf_page_unified(table(dev), dp.cuda(), hp, staging, host)
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        before[hp, layer] = dev[layer][tokens(dp).cuda()].view(len(dp), PAGE, dim).cpu()
+    assert same(host, before)
+    load = tokens(pick(5, DEV_PAGES, 12)).cuda()
+    old = dev[2].clone()
+    compat.transfer_hicache_one_layer_mla_page_unified_lf(dev[2], host, tokens(hp).cuda(), load, 2)
+    torch.cuda.synchronize()
+    old[load] = host[hp, 2].reshape(-1, 1, dim).cuda()
+    assert same(dev[2], old)
+
+
+def test_kvcacheio_per_layer_pf_lf_and_all_layer_lf_pf(path):
+    heads, dim = 2, 64
+    row = heads * dim * 2
+    host_k = rand((HOST_PAGES * PAGE, LAYERS, heads, dim), pin=True)
+    host_v = rand((HOST_PAGES * PAGE, LAYERS, heads, dim), pin=True)
+    dev_k = [rand((DEV_PAGES * PAGE, heads, dim), device="cuda") for _ in range(LAYERS)]
+    dev_v = [rand((DEV_PAGES * PAGE, heads, dim), device="cuda") for _ in range(LAYERS)]
+    h, d = tokens(pick(4, HOST_PAGES, 13)), tokens(pick(4, DEV_PAGES, 14)).cuda()
+    kb, vb = host_k.clone(), host_v.clone()
+    sglang_ops.transfer_kv_all_layer_lf_pf(table(dev_k), host_k, table(dev_v), host_v, d, h.cuda(), row,
+                                           LAYERS * row, LAYERS)
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        kb[h, layer] = dev_k[layer][d].cpu()
+        vb[h, layer] = dev_v[layer][d].cpu()
+    assert same(host_k, kb) and same(host_v, vb)
+    load = tokens(pick(4, DEV_PAGES, 15)).cuda()
+    ok, ov = dev_k[1].clone(), dev_v[1].clone()
+    sglang_ops.transfer_kv_per_layer_pf_lf(host_k, dev_k[1], host_v, dev_v[1], h, load, 1, row, LAYERS * row)
+    torch.cuda.synchronize()
+    ok[load], ov[load] = host_k[h, 1].cuda(), host_v[h, 1].cuda()
+    assert same(dev_k[1], ok) and same(dev_v[1], ov)
+
+
+def test_kvcacheio_page_head(path):
+    heads, dim = 4, 32
+    row = heads * dim * 2
+    host_k = rand((HOST_PAGES, heads, PAGE, LAYERS, dim), pin=True)
+    host_v = rand((HOST_PAGES, heads, PAGE, LAYERS, dim), pin=True)
+    dev_k = [rand((DEV_PAGES * PAGE, heads, dim), device="cuda") for _ in range(LAYERS)]
+    dev_v = [rand((DEV_PAGES * PAGE, heads, dim), device="cuda") for _ in range(LAYERS)]
+    hp, dp = pick(3, HOST_PAGES, 16), pick(3, DEV_PAGES, 17)
+    h, d = tokens(hp), tokens(dp).cuda()
+    kb, vb = host_k.clone(), host_v.clone()
+    sglang_ops.transfer_kv_all_layer_lf_ph(table(dev_k), host_k, table(dev_v), host_v, d, h, row, 0, LAYERS, PAGE,
+                                           heads)
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        for dst, src in ((kb, dev_k[layer]), (vb, dev_v[layer])):
+            dst[hp, :, :, layer] = src[d].view(len(hp), PAGE, heads, dim).permute(0, 2, 1, 3).cpu()
+    assert same(host_k, kb) and same(host_v, vb)
+    load = tokens(pick(3, DEV_PAGES, 18)).cuda()
+    ok, ov = dev_k[2].clone(), dev_v[2].clone()
+    sglang_ops.transfer_kv_per_layer_ph_lf(host_k, dev_k[2], host_v, dev_v[2], h, load, 2, row, 0, PAGE, heads)
+    torch.cuda.synchronize()
+    ok[load] = host_k[hp, :, :, 2].permute(0, 2, 1, 3).reshape(-1, heads, dim).cuda()
+    ov[load] = host_v[hp, :, :, 2].permute(0, 2, 1, 3).reshape(-1, heads, dim).cuda()
+    assert same(dev_k[2], ok) and same(dev_v[2], ov)
+
+
+def test_kvcacheio_direct_page_first_direct():
+    dim = 288
+    host = rand((HOST_PAGES, LAYERS, PAGE, 1, dim), pin=True)
+    dev = [rand((DEV_PAGES * PAGE, 1, dim), device="cuda") for _ in range(LAYERS)]
+    hp, dp = pick(5, HOST_PAGES, 19), pick(5, DEV_PAGES, 20)
+    h, d = tokens(hp), tokens(dp).cuda()
+    before = host.clone()
+    sglang_ops.transfer_kv_all_layer_direct_lf_pf(dev, [host], d, h, PAGE)
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        before[hp, layer] = dev[layer][d].view(len(hp), PAGE, 1, dim).cpu()
+    assert same(host, before)
+    load = tokens(pick(5, DEV_PAGES, 21)).cuda()
+    old = dev[1].clone()
+    sglang_ops.transfer_kv_per_layer_direct_pf_lf([host], [dev[1]], h, load, 1, PAGE)
+    torch.cuda.synchronize()
+    old[load] = host[hp, 1].reshape(-1, 1, dim).cuda()
+    assert same(dev[1], old)
