@@ -52,9 +52,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def device_rows(slots: int, row: tuple, dtype, device, *, strided: bool):
     """One device layer: [slots, *row], optionally a strided view of wider rows."""
-    if strided:  # the unified pool's token-major entries: rows further apart than their width
-        wide = torch.empty((slots, row[0], row[-1] + 32), dtype=dtype, device=device)
-        return _random_(wide)[..., :row[-1]]
+    if strided:  # the unified pool's token-major entries: dense rows, further apart than their width
+        width = row[0] * row[-1]
+        wide = _random_(torch.empty((slots, width + 32), dtype=dtype, device=device))
+        return wide[:, :width].unflatten(1, row)
     return _random_(torch.empty((slots, *row), dtype=dtype, device=device))
 
 
@@ -132,7 +133,7 @@ def dsa_pool(*, layout, sharded, device, pin):
         layer_num=LAYERS, device=device, index_k_with_scale_buffer=index, layer_shard_enabled=sharded,
         layer_shard_size=2, _owned_local_layer_range=lambda: owned)
     host = DSAIndexerPoolHost(decl=make_dsa_indexer_pool_decl(device_pool), anchor_host=anchor, pin_memory=pin)
-    return host, device_pool, range(*owned)
+    return host, device_pool, range(*owned), anchor
 
 
 def dsa_host_layer(host, layer: int) -> torch.Tensor:
@@ -155,7 +156,7 @@ def _tokens(pages: torch.Tensor) -> torch.Tensor:
 
 def _expect_rows(after: torch.Tensor, before: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, what: str):
     """``after`` equals ``before`` except at ``rows``, which hold ``values``; all compared as bytes."""
-    expected = _bytes(before).clone()
+    expected = _bytes(before).cpu().clone()
     expected[rows.cpu()] = _bytes(values).cpu()
     got = _bytes(after).cpu()
     if not torch.equal(got, expected):
@@ -241,25 +242,34 @@ def cells():
         yield f"mha-strided/{layout}/{backend}/full", ("mha", layout, backend, False, torch.bfloat16, 128, True)
 
 
-def run_cell(spec, *, transfer: bool, device: str, generator):
+def run_cell(spec, *, transfer: bool, device: str, generator, record: dict) -> None:
     kind, layout, backend, sharded, dtype, dim, strided = spec
-    pin = device == "cuda"
-    if kind == "mla":
-        host, layers = mla_pool(layout=layout, sharded=sharded, dtype=dtype, dim=dim, device=device, pin=pin,
-                                strided=strided)
-        if transfer:
-            run_mla_or_mha("mla", host, layers, backend, generator)
-    elif kind in ("mha", "mha1"):
-        heads = 8 if kind == "mha" else 1
-        host, layers = mha_pool(layout=layout, dtype=dtype, heads=heads, head_dim=dim, device=device, pin=pin,
-                                strided=strided)
-        if transfer:
-            run_mla_or_mha("mha", host, layers, backend, generator)
-    else:
-        host, device_pool, owned = dsa_pool(layout=layout, sharded=sharded, device=device, pin=pin)
-        if transfer:
-            run_dsa(host, device_pool, owned, backend, generator)
-    return host
+    pin = device != "cpu"
+    pools = []  # destroyed whatever happens: a pool's host memory stays registered with CUDA until then
+    try:
+        if kind == "mla":
+            host, layers = mla_pool(layout=layout, sharded=sharded, dtype=dtype, dim=dim, device=device, pin=pin,
+                                    strided=strided)
+            pools.append(host)
+            record["can_use_jit"] = bool(host.can_use_jit)
+            if transfer:
+                run_mla_or_mha("mla", host, layers, backend, generator)
+        elif kind in ("mha", "mha1"):
+            heads = 8 if kind == "mha" else 1
+            host, layers = mha_pool(layout=layout, dtype=dtype, heads=heads, head_dim=dim, device=device, pin=pin,
+                                    strided=strided)
+            pools.append(host)
+            record["can_use_jit"] = bool(host.can_use_jit)
+            if transfer:
+                run_mla_or_mha("mha", host, layers, backend, generator)
+        else:
+            host, device_pool, owned, anchor = dsa_pool(layout=layout, sharded=sharded, device=device, pin=pin)
+            pools += [host, anchor]
+            if transfer:
+                run_dsa(host, device_pool, owned, backend, generator)
+    finally:
+        for pool in pools:
+            pool.destroy()
 
 
 def main() -> int:
@@ -273,7 +283,7 @@ def main() -> int:
     from sglang_hicache_jit.integrations import sglang_ops
 
     transfer = args.mode == "transfer"
-    device = "cuda" if transfer else "cpu"
+    device = "cuda:0" if transfer else "cpu"
     generator = torch.Generator().manual_seed(0)
     failed = 0
     total = 0
@@ -283,13 +293,10 @@ def main() -> int:
         total += 1
         record = {"cell": name, "ok": True, "error": ""}
         try:
-            host = run_cell(spec, transfer=transfer, device=device, generator=generator)
-            record["can_use_jit"] = bool(getattr(host, "can_use_jit", False))
+            run_cell(spec, transfer=transfer, device=device, generator=generator, record=record)
             if transfer:
                 row = sglang_ops._kernel_ok
                 record["path"] = {str(k): ("kernel" if v else "direct") for k, v in row.items()}
-            if hasattr(host, "destroy"):
-                host.destroy()
         except Exception as exc:
             failed += 1
             record.update(ok=False, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-2000:])

@@ -14,7 +14,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | 
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())' | tee "$OUT/env.txt"
 python3 -c 'from importlib.metadata import entry_points as e; print(e(group="sglang.srt.plugins"))' | tee -a "$OUT/env.txt"
 echo "== integration + routed ops"
-SGLANG_HICACHE_JIT_REQUIRE_SGLANG=1 python3 -m pytest -q -x -p no:cacheprovider tests/test_sglang_integration.py \
+SGLANG_HICACHE_JIT_REQUIRE_SGLANG=1 python3 -m pytest -q -p no:cacheprovider tests/test_sglang_integration.py \
   tests/test_routed_ops_gpu.py tests/test_compat.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest-sglang.txt" | tail -30
 for d in 0 1; do
   SGLANG_HICACHE_JIT_DISABLE=$d PYTHONPATH=tests/sglang_stubs:$PYTHONPATH python3 tests/sglang_cells.py transfer \
