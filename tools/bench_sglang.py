@@ -123,11 +123,12 @@ def main() -> int:
     rows = []
     for tokens in args.tokens:
         host_idx, dev_idx = make_indices(tokens, PAGE, args.host_slots - PAGE, args.device_slots, seed=tokens)
-        # SGLang's cache controller hands the pools GPU indices (upstream's kernels require them).
-        host_idx, dev_idx = host_idx.cuda(), dev_idx.cuda()
+        # Upstream's kernels want the host indices of a backup on the CPU and those of a load on
+        # the GPU (its staged write-back and its load kernels check); both modes get the same.
+        dev_idx, host_idx_gpu = dev_idx.cuda(), host_idx.cuda()
         per_layer = tokens * DIM * 2
         backup_ms = time_ms(lambda: pool.backup_from_device_all_layer(None, host_idx, dev_idx, "kernel"), args.reps)
-        load_ms = time_ms(lambda: pool.load_to_device_per_layer(None, host_idx, dev_idx, 3, "kernel"), args.reps)
+        load_ms = time_ms(lambda: pool.load_to_device_per_layer(None, host_idx_gpu, dev_idx, 3, "kernel"), args.reps)
         for op, ms, nbytes, to_device in (("backup_all_layers", backup_ms, per_layer * LAYERS, False),
                                           ("load_one_layer", load_ms, per_layer, True)):
             gbs = nbytes / ms / 1e6
