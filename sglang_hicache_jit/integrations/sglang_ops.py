@@ -59,8 +59,6 @@ def copy_engines_only():
 def kernel_available(element_size: int) -> bool:
     """Whether rows of ``element_size`` bytes go through the JIT kernel.
     Asked once per row size and process (``reset()`` forgets)."""
-    if _copy_engines_only.get():
-        return False
     ok = _kernel_ok.get(element_size)
     if ok is None:
         with _choice_lock:
@@ -69,7 +67,7 @@ def kernel_available(element_size: int) -> bool:
             if not ok:
                 log.warning("sglang-hicache-jit: rows of %s B use the copy-engine path: [%s] %s", element_size,
                             result.code, result.reason)
-    return ok
+    return ok and not _copy_engines_only.get()
 
 
 def reset() -> None:
@@ -178,8 +176,9 @@ def transfer_hicache_one_layer(
 ) -> None:
     element_dim = element_dim or k_cache_dst.size(-1)
     if kernel_available(_row_bytes(k_cache_dst, element_dim)):
-        compat.transfer_hicache_one_layer(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src,
-                                          indices_src, element_dim=element_dim, block_quota=block_quota)
+        # ops directly, not through compat: this is the per-layer hot path (one frame less).
+        ops.transfer_one_layer(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src, indices_src,
+                               element_dim=element_dim, block_quota=block_quota)
         return
     _copy([(_view_rows(k_cache_dst, element_dim), _view_rows(k_cache_src, element_dim)),
            (_view_rows(v_cache_dst, element_dim), _view_rows(v_cache_src, element_dim))], indices_dst, indices_src)
@@ -197,9 +196,9 @@ def transfer_hicache_one_layer_mla(
     page_size: int | None = None,
 ) -> None:
     element_dim = element_dim or cache_dst.size(-1)
-    if kernel_available(_row_bytes(cache_dst, element_dim)):
-        compat.transfer_hicache_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src,
-                                              element_dim=element_dim, block_quota=block_quota)
+    if kernel_available(element_dim * cache_dst.element_size()):
+        ops.transfer_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, element_dim=element_dim,
+                                   block_quota=block_quota)
         return
     _copy([(_view_rows(cache_dst, element_dim), _view_rows(cache_src, element_dim))], indices_dst, indices_src)
 
