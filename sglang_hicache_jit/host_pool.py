@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import math
 import operator
-import threading
 import weakref
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ import torch
 from . import direct
 from .errors import TransferIndexError
 from .ops import check_index_tensor
+from .slot_allocator import SlotAllocator
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +180,8 @@ class HostKVPool:
         self.last_direct_mode = None   # what the last direct transfer ran: 'batch', '2d' or 'torch'
         self.transfer_path, self.transfer_path_reason = self._choose_path(first)
         _log_choice_once(self.transfer_path, self.transfer_path_reason)
-        self.lock = threading.RLock()
-        self.clear()
+        self.allocator = SlotAllocator(self.size, self.page_size)
+        self.lock = self.allocator.lock
 
     def _cache_shape(self) -> tuple:
         if self.layout == "layer_first":
@@ -372,42 +372,22 @@ class HostKVPool:
         else:
             self.last_direct_mode = direct.copy_rows(pairs, device_indices, host_rows, mode=self.direct_mode)
 
-    # -- allocator (same semantics as upstream HostKVCache) --------------------
+    # -- allocator (same semantics as upstream HostKVCache; see slot_allocator) --
     def clear(self) -> None:
-        with self.lock:
-            self.free_slots = torch.arange(self.size, dtype=torch.int64)
+        self.allocator.clear()
 
     def available_size(self) -> int:
-        return len(self.free_slots)
+        return self.allocator.available_size()
 
     def alloc(self, need_size: int):
         """``need_size`` free token slots (CPU int64, whole pages), or None when
         there are not enough."""
-        if isinstance(need_size, bool) or not isinstance(need_size, int) or need_size < 0:
-            raise ValueError(f"need_size must be a non-negative int, got {need_size!r}")
-        if need_size % self.page_size:
-            raise ValueError(f"need_size ({need_size}) must be a multiple of the page size ({self.page_size})")
-        with self.lock:
-            if need_size > len(self.free_slots):
-                return None
-            selected = self.free_slots[:need_size]
-            self.free_slots = self.free_slots[need_size:]
-            return selected
+        return self.allocator.alloc(need_size)
 
     def free(self, indices) -> int:
-        """Returns slots to the pool; returns how many."""
-        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"indices must be an int32 or int64 torch.Tensor, got {type(indices).__name__}")
-        indices = indices.reshape(-1).to("cpu", torch.int64)
-        if indices.numel() % self.page_size:
-            raise ValueError(f"indices must free whole pages: {indices.numel()} slots is not a multiple of the "
-                             f"page size ({self.page_size})")
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.size):
-            raise ValueError(f"indices must lie in [0, {self.size}); got values in "
-                             f"[{int(indices.min())}, {int(indices.max())}]")
-        with self.lock:
-            self.free_slots = torch.cat([self.free_slots, indices])
-        return indices.numel()
+        """Returns allocated slots to the pool; returns how many. Raises (and
+        frees nothing) for a slot that is not currently allocated."""
+        return self.allocator.free(indices)
 
     # -- storage page API (L3 backends read and write whole pages) ----------
     def _page_key(self, index) -> tuple:

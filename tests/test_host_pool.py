@@ -650,3 +650,39 @@ def test_demo_runs_on_cpu_and_verifies():
     assert report["device"] == "cpu" and report["chosen_path"] == "direct"
     assert report["results"] and all(r["bit_exact"] for r in report["results"])
     assert "no GPU" in report["note"]
+
+
+def test_allocator_refuses_double_and_foreign_frees():
+    """Measured before the fix: after double frees available_size() was 44 on a
+    pool of 32 and alloc handed out 12 slots twice."""
+    dp = make_device_pool("mla", 576, torch.Generator().manual_seed(4))
+    pool = make_host_pool(dp, size=32, page_size=4, layout="page_first")
+    first, second = pool.alloc(8), pool.alloc(8)
+    assert pool.free(first) == 8
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(first)  # the same slots again
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(torch.arange(28, 32))  # never handed out
+    with pytest.raises(ValueError, match="more than once"):
+        pool.free(torch.cat([second[:4], second[:4]]))
+    assert pool.available_size() == 32 - 8  # the refused frees changed nothing
+    handed = [pool.alloc(4) for _ in range(pool.available_size() // 4)]
+    assert pool.alloc(4) is None
+    every = torch.cat(handed + [second])
+    assert torch.unique(every).numel() == every.numel() == 32  # no slot handed out twice
+    for chunk in handed:
+        pool.free(chunk)
+    pool.free(second)
+    assert pool.available_size() == 32
+
+
+def test_allocator_reuses_freed_slots_in_order():
+    from sglang_hicache_jit.slot_allocator import SlotAllocator
+
+    alloc = SlotAllocator(16, 2)
+    a, b = alloc.alloc(4), alloc.alloc(4)
+    alloc.free(b)
+    alloc.free(a)
+    assert alloc.alloc(8).tolist() == list(range(8, 16))  # never-used slots first
+    assert alloc.alloc(8).tolist() == b.tolist() + a.tolist()  # then freed ones, in the order freed
+    assert alloc.alloc(2) is None

@@ -1,0 +1,87 @@
+"""Token-slot allocator of a host pool: hands out whole pages, takes back only what it handed out.
+
+Same contract as SGLang's ``HostKVCache.alloc/free``: ``alloc(n)`` returns n
+free slots (CPU int64, whole pages) or None when there are not enough, and
+``free(indices)`` returns slots to the pool. Unlike a bare free list, a slot
+that is not currently allocated (never handed out, or freed already) cannot
+come back: ``free`` raises and changes nothing, so a double free can never
+hand one slot to two owners.
+
+Freed slots are queued as chunks (O(len(indices)) per ``free``, no copy of
+the whole free list); ``alloc`` takes from the front of the queue, so slots
+are reused in the order they were freed, after the never-used ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+
+class SlotAllocator:
+    def __init__(self, size: int, page_size: int):
+        self.size, self.page_size = size, page_size
+        self.lock = threading.RLock()
+        self.clear()
+
+    def clear(self) -> None:
+        with self.lock:
+            self._allocated = torch.zeros(self.size, dtype=torch.bool)
+            self._chunks = collections.deque([torch.arange(self.size, dtype=torch.int64)])
+            self._available = self.size
+
+    def available_size(self) -> int:
+        return self._available
+
+    def alloc(self, need_size: int):
+        if isinstance(need_size, bool) or not isinstance(need_size, int) or need_size < 0:
+            raise ValueError(f"need_size must be a non-negative int, got {need_size!r}")
+        if need_size % self.page_size:
+            raise ValueError(f"need_size ({need_size}) must be a multiple of the page size ({self.page_size})")
+        with self.lock:
+            if need_size > self._available:
+                return None
+            taken, missing = [], need_size
+            while missing:
+                chunk = self._chunks[0]
+                if chunk.numel() <= missing:
+                    taken.append(self._chunks.popleft())
+                    missing -= chunk.numel()
+                else:
+                    taken.append(chunk[:missing])
+                    self._chunks[0] = chunk[missing:]
+                    missing = 0
+            if not taken:
+                selected = torch.empty(0, dtype=torch.int64)
+            else:
+                selected = torch.cat(taken) if len(taken) > 1 else taken[0].clone()
+            self._allocated[selected] = True
+            self._available -= need_size
+            return selected
+
+    def free(self, indices) -> int:
+        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"indices must be an int32 or int64 torch.Tensor, got {type(indices).__name__}")
+        indices = indices.reshape(-1).to("cpu", torch.int64)
+        if indices.numel() % self.page_size:
+            raise ValueError(f"indices must free whole pages: {indices.numel()} slots is not a multiple of the "
+                             f"page size ({self.page_size})")
+        if not indices.numel():
+            return 0
+        if int(indices.min()) < 0 or int(indices.max()) >= self.size:
+            raise ValueError(f"indices must lie in [0, {self.size}); got values in "
+                             f"[{int(indices.min())}, {int(indices.max())}]")
+        with self.lock:
+            allocated = self._allocated[indices]
+            if not bool(allocated.all()):
+                bad = indices[~allocated][:8].tolist()
+                raise ValueError(f"indices holds slots that are not allocated (never handed out, or freed "
+                                 f"already): {bad}; nothing was freed")
+            if torch.unique(indices).numel() != indices.numel():
+                raise ValueError("indices names a slot more than once; nothing was freed")
+            self._allocated[indices] = False
+            self._chunks.append(indices.clone())
+            self._available += indices.numel()
+        return indices.numel()
