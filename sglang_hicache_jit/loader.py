@@ -74,6 +74,7 @@ class KernelLibrary:
     entry: Entry
     ops: object = field(repr=False)
     fd: int = field(default=-1, repr=False)  # the verified library, kept open (see load_entry)
+    handle: object = field(default=None, repr=False)  # ctypes handle: the C launcher, called directly by ops
 
     @property
     def path(self) -> Path:
@@ -253,10 +254,11 @@ def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _dlopen(fd: int, entry: Entry) -> None:
-    """Loads the library through its verified open file. torch.ops.load_library
-    would resolve /proc/self/fd/N back to the path (realpath), so this does
-    what it does (ctypes.CDLL, then record the path) on the descriptor."""
+def _dlopen(fd: int, entry: Entry):
+    """Loads the library through its verified open file and returns its ctypes
+    handle. torch.ops.load_library would resolve /proc/self/fd/N back to the
+    path (realpath), so this does what it does (ctypes.CDLL, then record the
+    path) on the descriptor."""
     import ctypes
 
     import torch
@@ -264,9 +266,10 @@ def _dlopen(fd: int, entry: Entry) -> None:
     fd_path = f"/proc/self/fd/{fd}"
     if not os.path.exists(fd_path):  # no /proc (not Linux): load by path, checked just before
         torch.ops.load_library(str(entry.library))
-        return
-    ctypes.CDLL(fd_path)
+        return ctypes.CDLL(str(entry.library))  # already loaded: the same handle
+    handle = ctypes.CDLL(fd_path)
     torch.ops.loaded_libraries.add(str(entry.library))
+    return handle
 
 
 def load_entry(entry: Entry, archs: tuple[Arch, ...]) -> KernelLibrary:
@@ -287,8 +290,8 @@ def load_entry(entry: Entry, archs: tuple[Arch, ...]) -> KernelLibrary:
             try:
                 import torch
 
-                _dlopen(fd, entry)
-                library = KernelLibrary(name, archs, entry, getattr(torch.ops, name), fd)
+                handle = _dlopen(fd, entry)
+                library = KernelLibrary(name, archs, entry, getattr(torch.ops, name), fd, handle)
             except BaseException:
                 os.close(fd)
                 raise
