@@ -356,11 +356,30 @@ def overhead(args) -> list[dict]:
     idx_cpu = torch.arange(tokens)
     contiguous_host = torch.empty(tokens * 1152, dtype=torch.uint8, pin_memory=True)
     contiguous_dev = torch.empty_like(contiguous_host, device="cuda")
+    state = ops._state(torch.cuda.current_device())
+
+    def through_torch_op():  # the binding's torch op instead of the C launcher, for comparison
+        launcher, state._launch_c = state._launch_c, None
+        try:
+            ops.transfer_one_layer_mla(dev, idx_gpu, host, idx_gpu)
+        finally:
+            state._launch_c = launcher
+
     calls = {
         "jit one-layer, GPU indices": lambda: ops.transfer_one_layer_mla(dev, idx_gpu, host, idx_gpu),
         "jit one-layer, CPU indices": lambda: ops.transfer_one_layer_mla(dev, idx_cpu, host, idx_cpu),
+        "jit one-layer, via torch op": through_torch_op,
         "torch copy_ (contiguous)": lambda: contiguous_dev.copy_(contiguous_host, non_blocking=True),
     }
+    try:  # upstream SGLang's JIT op (tvm-ffi), when sglang is installed and its kernel builds
+        from sglang.kernels.ops.kvcache import hicache as upstream
+
+        dev3, host3 = dev.view(-1, 1, 1152).view(torch.bfloat16), host.view(-1, 1, 1152).view(torch.bfloat16)
+        upstream.transfer_hicache_one_layer_mla(dev3, idx_gpu, host3, idx_gpu, element_dim=576)
+        calls["upstream sglang one-layer (tvm-ffi)"] = lambda: upstream.transfer_hicache_one_layer_mla(
+            dev3, idx_gpu, host3, idx_gpu, element_dim=576)
+    except Exception as exc:
+        print(f"upstream sglang op not measured: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     for name, fn in calls.items():
         for _ in range(50):
             fn()
