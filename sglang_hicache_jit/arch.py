@@ -1,9 +1,12 @@
 """Which GPU architectures to build for: parsing, naming and resolution.
 
 An arch list looks like ``9.0``, ``8.0;9.0;10.0`` or ``8.0 9.0+PTX`` (the
-TORCH_CUDA_ARCH_LIST syntax; ``sm_90`` and ``90`` are accepted too). Several
-archs build one fat binary. Resolution order: the caller's argument, then
-SGLANG_HICACHE_JIT_ARCH, then TORCH_CUDA_ARCH_LIST, then the current GPU.
+TORCH_CUDA_ARCH_LIST syntax; ``sm_90`` and ``90`` are accepted too, and so
+are torch's arch names such as ``Hopper``, which stand for what they stand
+for in torch). Several archs build one fat binary, at most ``MAX_ARCHS``.
+Resolution order: the caller's argument, then SGLANG_HICACHE_JIT_ARCH, then
+TORCH_CUDA_ARCH_LIST (``native`` there means the current GPU), then the
+current GPU.
 """
 
 from __future__ import annotations
@@ -12,7 +15,19 @@ import re
 from dataclasses import dataclass
 
 from . import settings
-from .errors import NoArchError
+from .errors import BadSettingError, NoArchError
+
+# torch.utils.cpp_extension's names for TORCH_CUDA_ARCH_LIST (torch 2.9-2.14),
+# copied because importing cpp_extension costs a second; matched ignoring case.
+NAMED_ARCHS = {
+    "kepler+tesla": "3.7", "kepler": "3.5+PTX", "maxwell+tegra": "5.3", "maxwell": "5.0;5.2+PTX",
+    "pascal": "6.0;6.1+PTX", "volta+tegra": "7.2", "volta": "7.0+PTX", "turing": "7.5+PTX",
+    "ampere+tegra": "8.7", "ampere": "8.0;8.6+PTX", "ada": "8.9+PTX", "hopper": "9.0+PTX",
+    "blackwell+tegra": "11.0", "blackwell": "10.0;10.3;12.0;12.1+PTX", "rubin": "10.7+PTX",
+}
+# One fat build names every arch in its directory and lock names, which must
+# stay under the 255-byte file name limit; no real fleet needs more.
+MAX_ARCHS = 16
 
 _ARCH_RE = re.compile(r"^(?:sm_?|compute_?)?(\d+)(?:\.(\d))?([af]?)(\+ptx)?$", re.IGNORECASE)
 
@@ -71,11 +86,18 @@ def parse_arch(text: str) -> Arch:
 
 
 def parse_arch_list(text: str) -> tuple[Arch, ...]:
-    """Parses 'a;b c,d' into sorted, de-duplicated archs."""
-    parts = [p for p in re.split(r"[;,\s]+", text.strip()) if p]
+    """Parses 'a;b c,d' into sorted, de-duplicated archs (torch's names expanded)."""
+    parts = []
+    for part in re.split(r"[;,\s]+", text.strip()):
+        if part:
+            parts += NAMED_ARCHS.get(part.lower(), part).split(";")
     if not parts:
         raise ValueError("the arch list is empty; name at least one arch, e.g. '9.0'")
-    return tuple(sorted(set(parse_arch(p) for p in parts)))
+    archs = tuple(sorted(set(parse_arch(p) for p in parts)))
+    if len(archs) > MAX_ARCHS:
+        raise ValueError(f"the arch list names {len(archs)} archs; one build holds at most {MAX_ARCHS} "
+                         "(build the others separately, e.g. `prewarm --arch` builds each arch on its own)")
+    return archs
 
 
 def archs_tag(archs: tuple[Arch, ...]) -> str:
@@ -101,12 +123,12 @@ def resolve_archs(arch: str | tuple[Arch, ...] | None = None, device: int | None
     if arch is not None and str(arch).strip():
         return parse_arch_list(str(arch)), "argument"
     named = settings.arch_request()
-    if named is not None:
+    if named is not None and not (named[1] == settings.TORCH_ARCH_LIST and named[0].lower() == "native"):
         value, variable = named
         try:
             return parse_arch_list(value), variable
         except ValueError as exc:
-            raise ValueError(f"{variable}={value!r}: {exc}") from None
+            raise BadSettingError(f"{variable}={value!r}: {exc}.", f"correct or unset {variable}.") from None
     capability = current_gpu_capability(device)
     if capability is None:
         raise NoArchError(

@@ -48,9 +48,20 @@ class ToolchainError(HicacheJitError):
 
 
 class BuildFailedError(HicacheJitError):
-    """The compile failed; ``log_path`` holds the compiler output."""
+    """The compile failed; ``log_path`` holds the compiler output.
+
+    ``transient`` is True when the cause was the environment (the compiler was
+    killed, the disk was full, the staging directory vanished), not the
+    sources: such a failure is not remembered as final, the next call retries.
+    """
 
     code = "build_failed"
+
+    def __init__(self, reason: str, fix: str = "", *, transient: bool = False, cause: str = "compile_error",
+                 **kwargs):
+        super().__init__(reason, fix, **kwargs)
+        self.transient = transient
+        self.cause = cause  # compile_error, killed, no_space or vanished (recorded in the failure memo)
 
 
 class NotBuiltError(HicacheJitError):
@@ -69,6 +80,34 @@ class UnsafeCacheError(HicacheJitError):
     """A cache path that other users could write to, or that another user owns."""
 
     code = "unsafe_cache"
+
+
+class BadSettingError(HicacheJitError, ValueError):
+    """An environment variable or command-line value that cannot be used; the
+    reason names it. Also a ValueError, which is what callers caught before."""
+
+    code = "bad_setting"
+
+
+class CacheWriteError(HicacheJitError):
+    """The cache (or an ``--into`` directory) cannot be written: read-only,
+    no permission, or full. Codes: ``cache_unwritable``, ``no_space``."""
+
+    code = "cache_unwritable"
+
+
+def write_error(exc: OSError, what: str, fix: str = "") -> CacheWriteError:
+    """A CacheWriteError for an OSError met while writing ``what`` (a path or a description)."""
+    import errno
+
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CacheWriteError(f"{what}: no space left ({exc.strerror}).",
+                               fix or "free some space (`sglang-hicache-jit prune`), or move the cache "
+                               "(SGLANG_HICACHE_JIT_CACHE_DIR).", code="no_space")
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) not in what else ""
+    return CacheWriteError(f"{what} cannot be written: {exc.strerror or exc}{where}.",
+                           fix or "point SGLANG_HICACHE_JIT_CACHE_DIR at a writable directory of your own, or fix "
+                           "the permissions.", code="cache_unwritable")
 
 
 class BundleError(HicacheJitError):

@@ -6,9 +6,13 @@ change the environment before the first build.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+from decimal import Decimal
 from pathlib import Path
+
+from .errors import BadSettingError
 
 CACHE_DIR = "SGLANG_HICACHE_JIT_CACHE_DIR"
 ARCH = "SGLANG_HICACHE_JIT_ARCH"
@@ -20,6 +24,7 @@ BUILD_JOBS = "SGLANG_HICACHE_JIT_BUILD_JOBS"
 PREBUILT_DIRS = "SGLANG_HICACHE_JIT_PREBUILT_DIRS"
 CACHE_MAX_SIZE = "SGLANG_HICACHE_JIT_CACHE_MAX_SIZE"
 LOCK_DIR = "SGLANG_HICACHE_JIT_LOCK_DIR"
+TRUSTED_OWNERS = "SGLANG_HICACHE_JIT_TRUSTED_OWNERS"
 TORCH_ARCH_LIST = "TORCH_CUDA_ARCH_LIST"
 SGLANG_PLUGIN = "SGLANG_HICACHE_JIT_SGLANG_PLUGIN"
 
@@ -30,11 +35,36 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in _TRUE
 
 
+def bad(name: str, value: str, expected: str, fix: str = "") -> BadSettingError:
+    """The error for a setting (an environment variable or an option) that cannot be used."""
+    return BadSettingError(f"{name}={value!r} cannot be used: {expected}.", fix or f"correct or unset {name}.")
+
+
+# Kernel pseudo-filesystems: nothing can be created there, and a cache there makes no sense.
+_PSEUDO_ROOTS = ("/proc", "/sys", "/dev")
+
+
+def check_directory(name: str, path: Path) -> Path:
+    """``path`` (named by the setting ``name``) must be a directory or creatable as one:
+    not a file, not below a file, not in /proc, /sys or /dev."""
+    resolved = os.path.realpath(path)
+    if any(resolved == r or resolved.startswith(r + "/") for r in _PSEUDO_ROOTS):
+        raise bad(name, str(path), "it lies in a kernel pseudo-filesystem (/proc, /sys or /dev)",
+                  f"point {name} at a directory on a real disk (e.g. under $HOME or /tmp).")
+    current = Path(resolved)
+    while not current.exists() and current != current.parent:
+        current = current.parent
+    if not current.is_dir():
+        raise bad(name, str(path), f"{current} is a file, not a directory",
+                  f"point {name} at a directory (or at a path that does not exist yet).")
+    return path
+
+
 def cache_root() -> Path:
     """Root of the writable build cache."""
     explicit = os.environ.get(CACHE_DIR, "").strip()
     if explicit:
-        return Path(explicit).expanduser()
+        return check_directory(CACHE_DIR, Path(explicit).expanduser())
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("sglang-hicache-jit", appauthor=False))
@@ -68,8 +98,20 @@ def method() -> str:
     """Copy method for the kernels: auto (default), plain or bulk."""
     value = os.environ.get(METHOD, "auto").strip().lower() or "auto"
     if value not in ("auto", "plain", "bulk"):
-        raise ValueError(f"{METHOD} must be one of auto, plain, bulk; got {value!r}")
+        raise bad(METHOD, value, "it must be one of auto, plain, bulk")
     return value
+
+
+def positive_number(name: str, value: str) -> float:
+    """A finite number above zero (nan, inf, 0 and negatives are refused: each one
+    would mean 'wait forever' or 'never', never what was meant)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise bad(name, value, "it is not a number") from None
+    if not math.isfinite(number) or number <= 0:
+        raise bad(name, value, "it must be a finite number above 0")
+    return number
 
 
 def lock_timeout() -> float:
@@ -77,13 +119,10 @@ def lock_timeout() -> float:
     value = os.environ.get(LOCK_TIMEOUT, "").strip()
     if not value:
         return 3600.0
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{LOCK_TIMEOUT} must be a number of seconds; got {value!r}") from None
-    if seconds <= 0:
-        raise ValueError(f"{LOCK_TIMEOUT} must be positive; got {value!r}")
-    return seconds
+    return positive_number(LOCK_TIMEOUT, value)
+
+
+MAX_BUILD_JOBS = 1024
 
 
 def build_jobs() -> int | None:
@@ -91,8 +130,8 @@ def build_jobs() -> int | None:
     value = os.environ.get(BUILD_JOBS, "").strip()
     if not value:
         return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{BUILD_JOBS} must be a positive integer; got {value!r}")
+    if not value.isdigit() or not 1 <= int(value) <= MAX_BUILD_JOBS:
+        raise bad(BUILD_JOBS, value, f"it must be a whole number from 1 to {MAX_BUILD_JOBS}")
     return int(value)
 
 
@@ -113,10 +152,33 @@ def prebuilt_dirs() -> list[str]:
 def lock_dir() -> Path | None:
     """Where build locks live when not inside the cache (a node-local path for a cache on NFS)."""
     value = os.environ.get(LOCK_DIR, "").strip()
-    return Path(value).expanduser() if value else None
+    return check_directory(LOCK_DIR, Path(value).expanduser()) if value else None
+
+
+def trusted_owners() -> frozenset[int]:
+    """Uids besides root and this user whose prebuilt layers may be loaded
+    (SGLANG_HICACHE_JIT_TRUSTED_OWNERS: user names or uids, ',' or ':' or space separated)."""
+    value = os.environ.get(TRUSTED_OWNERS, "").strip()
+    uids = set()
+    for item in re.split(r"[,:\s]+", value):
+        if not item:
+            continue
+        if item.isdigit():
+            uids.add(int(item))
+            continue
+        try:
+            import pwd
+
+            uids.add(pwd.getpwnam(item).pw_uid)
+        except (ImportError, KeyError):
+            raise bad(TRUSTED_OWNERS, value, f"there is no user {item!r}",
+                      f"name existing users or uids in {TRUSTED_OWNERS}.") from None
+    return frozenset(uids)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+# 1 EiB: more than any disk, and far inside a C int64 (os, shutil and struct use those).
+MAX_SIZE = 1 << 60
 
 
 def parse_size(text: str) -> int:
@@ -125,7 +187,11 @@ def parse_size(text: str) -> int:
     if not match:
         raise ValueError(f"{text!r} is not a size; write it like 500M, 10G or 1.5T (or a number of bytes)")
     number, unit, _ = match.groups()
-    return int(float(number) * 1024 ** " kmgt".index(unit.lower() or " "))
+    # Decimal, not float: a number of 400 digits must be refused, not become inf (OverflowError).
+    size = int(Decimal(number) * 1024 ** " kmgt".index(unit.lower() or " "))
+    if size > MAX_SIZE:
+        raise ValueError(f"{text!r} is larger than 1 EiB; write a size like 500M, 10G or 1.5T")
+    return size
 
 
 def cache_max_size() -> int | None:
@@ -136,4 +202,4 @@ def cache_max_size() -> int | None:
     try:
         return parse_size(value)
     except ValueError as exc:
-        raise ValueError(f"{CACHE_MAX_SIZE}: {exc}") from None
+        raise BadSettingError(f"{CACHE_MAX_SIZE}: {exc}.", f"correct or unset {CACHE_MAX_SIZE}.") from None
