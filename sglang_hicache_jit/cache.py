@@ -4,6 +4,7 @@ Layout (``<root>`` is $SGLANG_HICACHE_JIT_CACHE_DIR, else platformdirs'
 user cache directory for "sglang-hicache-jit")::
 
     <root>/v1/                                   cache layout version
+        .sglang-hicache-jit                      marker: this package made the directory
         sm90/                                    one directory per arch set
             hicache_transfer-<key>/              a published entry, never modified
                 hicache_transfer_<key>.so        the library (also the op namespace)
@@ -17,6 +18,10 @@ user cache directory for "sglang-hicache-jit")::
                                                    in $SGLANG_HICACHE_JIT_LOCK_DIR when set)
         .staging/<entry>.<host>.<pid>.<random>/  private build (and import) directories
         .trash/                                  entries being deleted
+
+Only directories carrying the marker, and inside them only names of the forms
+above, are ever deleted (prune, clean): a cache root pointed at a directory
+that holds someone else's ``v2/`` loses nothing.
 
 Why a hit can be trusted: the key is a sha256 over everything that changes the
 binary (spec.py). An entry directory appears only by ``os.replace`` of a
@@ -57,13 +62,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import settings, trust
+from . import safeio, settings, trust
+from .errors import BadSettingError, UnsafeCacheError, write_error
 from .spec import LAYOUT_VERSION, derive_key
 
 MANIFEST = "manifest.json"
 BUILD_LOG = "build.log"
 LAST_USED = "last_used"
 MANIFEST_FORMAT = 1
+LAYOUT_MARKER = ".sglang-hicache-jit"
+# A manifest or failure record is a few KB; anything much larger is not one.
+MAX_RECORD_BYTES = 1 << 20
+
+# The names this package gives to what it creates (see the layout above).
+ARCH_TAG = re.compile(r"^sm\d+[af]?(\+ptx)?(-sm\d+[af]?(\+ptx)?)*$")
+ENTRY_NAME = re.compile(r"^[a-z0-9_]+-[0-9a-f]{16}$")
+FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+FAILURE_NAME = re.compile(r"^[a-z0-9_]+-[0-9a-f]{16}\.failed\.(json|log)$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SERVICE_DIRS = (".locks", ".staging", ".trash")
 # The last-use marker is refreshed at most this often: pruning needs the day, not the second.
 _TOUCH_INTERVAL = 3600.0
 
@@ -92,25 +109,77 @@ class Entry:
     def log(self) -> Path:
         return self.path / self.manifest.get("log", BUILD_LOG)
 
+    @property
+    def files(self) -> list[str]:
+        """The names of the entry's files that travel with it (library, manifest, log)."""
+        return [self.manifest["library"], MANIFEST, self.manifest.get("log", BUILD_LOG)]
+
 
 def file_sha256(path: Path) -> str:
+    """sha256 of a regular file (never a FIFO or a symlink: those raise safeio.NotRegularFile)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(safeio.open_regular(path), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
 
 
-def verify_entry(path: Path, *, key: str | None = None, abi_key: str | None = None) -> Entry:
-    """Reads and checks an entry; raises CorruptEntry with the reason."""
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def manifest_problem(manifest) -> str | None:
+    """What is wrong with a manifest's fields and types (None: nothing). Every
+    field another part of the package reads is checked here, so a manifest
+    that passes can be read without further checks (info, prune, export)."""
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return "has an unknown format"
+    for name in ("name", "kernel", "key", "abi_key", "toolkit", "library"):
+        if not isinstance(manifest.get(name), str):
+            return f"has no valid {name!r}"
+    components = manifest.get("components")
+    if not isinstance(components, dict):
+        return "has no valid 'components'"
+    archs = components.get("archs")
+    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
+        return "has no valid 'components.archs'"
+    flags = components.get("cuda_flags", [])
+    if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+        return "has no valid 'components.cuda_flags'"
+    if not _is_int(manifest.get("size")) or manifest["size"] < 0:
+        return "has no valid 'size'"
+    if not isinstance(manifest.get("sha256"), str) or not _SHA256.match(manifest["sha256"]):
+        return "has no valid 'sha256'"
+    log_name = manifest.get("log", BUILD_LOG)
+    # The log is a file of the entry: one plain name, never a path (export packs it).
+    if not isinstance(log_name, str) or not FILE_NAME.match(log_name) or log_name in (MANIFEST, manifest["library"]):
+        return f"names an invalid log file {log_name!r}"
+    for name in ("build_seconds",):
+        if name in manifest and manifest[name] is not None and not isinstance(manifest[name], (int, float)):
+            return f"has an invalid {name!r}"
+    for name in ("built_at", "host", "nvcc", "cxx"):
+        if name in manifest and manifest[name] is not None and not isinstance(manifest[name], str):
+            return f"has an invalid {name!r}"
+    return None
+
+
+def read_manifest(path: Path) -> dict:
+    """The checked manifest of the entry at ``path``; CorruptEntry when missing, unreadable or malformed."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads(safeio.read_regular(path / MANIFEST, MAX_RECORD_BYTES))
     except FileNotFoundError:
         raise CorruptEntry(f"{path} has no {MANIFEST}") from None
     except (OSError, ValueError) as exc:
         raise CorruptEntry(f"{path / MANIFEST} is unreadable: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise CorruptEntry(f"{path / MANIFEST} has an unknown format")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise CorruptEntry(f"{path / MANIFEST} {problem}")
+    return manifest
+
+
+def verify_entry(path: Path, *, key: str | None = None, abi_key: str | None = None) -> Entry:
+    """Reads and checks an entry; raises CorruptEntry with the reason."""
+    manifest = read_manifest(path)
     if key is not None and manifest.get("key") != key:
         raise CorruptEntry(f"{path} holds key {manifest.get('key')!r}, expected {key!r}")
     if abi_key is not None and manifest.get("abi_key") != abi_key:
@@ -128,18 +197,7 @@ def verify_entry(path: Path, *, key: str | None = None, abi_key: str | None = No
     if library != f"{name}.so":
         raise CorruptEntry(f"{path / MANIFEST} names no valid library file")
     entry = Entry(path, manifest)
-    try:
-        size = entry.library.stat().st_size
-    except OSError:
-        raise CorruptEntry(f"{entry.library} is missing") from None
-    if size != manifest.get("size"):
-        raise CorruptEntry(f"{entry.library} has {size} bytes, the manifest says {manifest.get('size')}")
-    try:
-        digest = file_sha256(entry.library)
-    except OSError as exc:  # removed meanwhile (a prune): as good as corrupt for this reader
-        raise CorruptEntry(f"{entry.library} vanished while it was checked ({exc.strerror})") from None
-    if digest != manifest.get("sha256"):
-        raise CorruptEntry(f"{entry.library} does not match the sha256 in its manifest")
+    os.close(_open_library(entry, check_trust=False))
     return entry
 
 
@@ -147,18 +205,23 @@ def open_verified(entry: Entry) -> int:
     """Opens the library and checks, on that open file, its owner and mode
     (trust.py), size and sha256; returns the descriptor. Loading through it
     (``/proc/self/fd/N``) loads exactly the checked bytes."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    return _open_library(entry, check_trust=True)
+
+
+def _open_library(entry: Entry, *, check_trust: bool) -> int:
+    """The library's descriptor after checking (on it) that it is a regular file
+    (not a symlink, even to an identical copy: the loader would refuse it, so
+    it must count as corrupt everywhere), its size and sha256."""
     try:
-        fd = os.open(entry.library, flags)
+        fd = safeio.open_regular(entry.library)
     except FileNotFoundError:
         raise CorruptEntry(f"{entry.library} is missing") from None
-    except OSError as exc:  # ELOOP: a symlink where the library should be
-        raise CorruptEntry(f"{entry.library} cannot be opened: {exc}") from None
+    except OSError as exc:  # a symlink, FIFO or directory where the library should be; or removed meanwhile
+        raise CorruptEntry(f"{entry.library} cannot be opened: {exc.strerror or exc}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptEntry(f"{entry.library} is not a regular file")
-        trust.check_stat(st, entry.library, prebuilt=entry.prebuilt)
+        if check_trust:
+            trust.check_stat(st, entry.library, prebuilt=entry.prebuilt)
         if st.st_size != entry.manifest.get("size"):
             raise CorruptEntry(f"{entry.library} has {st.st_size} bytes, the manifest says {entry.manifest.get('size')}")
         digest = hashlib.sha256()
@@ -207,8 +270,11 @@ _SASS_FLAG = re.compile(r"code=sm_(\d+[af]?)")
 def sass_numbers(manifest: dict) -> set[str]:
     """Arch numbers ('90', '90a') the library has machine code for, from the
     nvcc flags recorded in its manifest (PTX-only archs are not included)."""
-    flags = manifest.get("components", {}).get("cuda_flags", [])
-    return {number for flag in flags for number in _SASS_FLAG.findall(flag)}
+    components = manifest.get("components")
+    flags = components.get("cuda_flags", []) if isinstance(components, dict) else []
+    if not isinstance(flags, list):
+        return set()
+    return {number for flag in flags if isinstance(flag, str) for number in _SASS_FLAG.findall(flag)}
 
 
 def touch_used(entry: Entry) -> None:
@@ -240,8 +306,8 @@ def write_manifest(entry_dir: Path, manifest: dict) -> dict:
     return manifest
 
 
-def _private_dir(path: Path) -> Path:
-    """Creates ``path`` and any missing parent with mode 0700 (Path.mkdir(parents=True)
+def _private_dir(path: Path, mode: int = 0o700) -> Path:
+    """Creates ``path`` and any missing parent with ``mode`` (Path.mkdir(parents=True)
     would create the parents with the umask's mode, usually 0755)."""
     if path.is_dir():
         return path
@@ -252,10 +318,30 @@ def _private_dir(path: Path) -> Path:
         current = current.parent
     for directory in reversed(missing):
         try:
-            directory.mkdir(mode=0o700)
+            directory.mkdir(mode=mode)
+            if mode & ~0o700:
+                os.chmod(directory, mode)  # mkdir applies the umask
         except FileExistsError:
             pass
     return path
+
+
+def is_marked(layout_dir: Path) -> bool:
+    """True when ``layout_dir`` carries the marker this package writes into the
+    layout directories it creates (only those are ever deleted or cleaned)."""
+    try:
+        return stat.S_ISREG(os.lstat(layout_dir / LAYOUT_MARKER).st_mode)
+    except OSError:
+        return False
+
+
+def _only_our_names(layout_dir: Path) -> bool:
+    """An unmarked layout directory that holds nothing but names this package
+    makes (a cache from before the marker existed, or an empty directory)."""
+    for child in os.scandir(layout_dir):
+        if not (child.name in _SERVICE_DIRS or child.name == LAYOUT_MARKER or ARCH_TAG.match(child.name)):
+            return False
+    return True
 
 
 def entry_size(path: Path) -> int:
@@ -286,20 +372,44 @@ def last_used(path: Path) -> float:
 class BuildCache:
     """One cache root: the writable cache, or a read-only prebuilt layer (prebuilt=True)."""
 
-    def __init__(self, root: Path, *, prebuilt: bool = False):
+    def __init__(self, root: Path, *, prebuilt: bool = False, shared: bool = False, setting: str | None = None):
         self.root = Path(root)
         self.layout_root = self.root / LAYOUT_VERSION
         self.prebuilt = prebuilt
+        # shared: a prebuilt layer being written (`import --into`): readable by everyone.
+        self.shared = shared
+        self.dir_mode = 0o755 if shared else 0o700
+        self.setting = setting or settings.CACHE_DIR  # what the user changes to move it (for messages)
 
     def __repr__(self) -> str:
         return f"BuildCache({str(self.root)!r}{', prebuilt=True' if self.prebuilt else ''})"
 
     def ensure_root(self) -> None:
-        """Creates the root and layout directories private to the user, and
-        refuses (UnsafeCacheError) a root that other users could write to."""
+        """Creates the root and layout directories (private to the user unless
+        shared), marks the layout directory as this package's, and refuses
+        (UnsafeCacheError) a root that other users could write to. Nothing is
+        created when the root is refused."""
         assert not self.prebuilt, "a prebuilt layer is never written to"
-        _private_dir(self.layout_root)
-        trust.check_chain(self.root, self.layout_root, prebuilt=False)
+        if self.root.exists():
+            if not self.root.is_dir():
+                raise BadSettingError(f"{self.setting}={str(self.root)!r} is a file, not a directory.",
+                                      f"point {self.setting} at a directory.")
+            trust.check_path(self.root, prebuilt=False)
+        try:
+            if self.layout_root.is_dir() and not is_marked(self.layout_root):
+                if not _only_our_names(self.layout_root):
+                    raise BadSettingError(
+                        f"{self.layout_root} exists but was not made by sglang-hicache-jit (it holds other "
+                        "files), so the cache will not write into it or clean it.",
+                        f"point {self.setting} at a new or empty directory.")
+            _private_dir(self.layout_root, self.dir_mode)
+            trust.check_chain(self.root, self.layout_root, prebuilt=False)
+            if not is_marked(self.layout_root):
+                safeio.write_atomic(self.layout_root / LAYOUT_MARKER,
+                                    b"created by sglang-hicache-jit; only marked directories are ever pruned\n",
+                                    0o644 if self.shared else 0o600)
+        except OSError as exc:
+            raise write_error(exc, f"the cache directory {self.root} ({self.setting})") from None
 
     # ---- paths -------------------------------------------------------------
     def arch_dir(self, arch_tag: str) -> Path:
@@ -308,10 +418,30 @@ class BuildCache:
     def entry_path(self, arch_tag: str, kernel: str, key: str) -> Path:
         return self.arch_dir(arch_tag) / f"{kernel}-{key}"
 
+    def lock_dir(self) -> Path:
+        return settings.lock_dir() or self.layout_root / ".locks"
+
     def lock_path(self, arch_tag: str, kernel: str, key: str) -> Path:
+        """The entry's lock file, in a directory created private and checked
+        with the cache's trust rules: a lock directory that another user owns
+        or can write to could hold planted links that redirect our writes."""
         # Lock names carry the full key, so one lock directory may serve several caches.
-        directory = settings.lock_dir() or self.layout_root / ".locks"
-        return _private_dir(directory) / f"{arch_tag}-{kernel}-{key}.lock"
+        directory = self.lock_dir()
+        setting = settings.LOCK_DIR if settings.lock_dir() else self.setting
+        try:
+            _private_dir(directory)
+        except OSError as exc:
+            raise write_error(exc, f"the lock directory {directory} ({setting})",
+                              f"point {settings.LOCK_DIR} at a writable directory of your own (e.g. "
+                              "/tmp/hicache-locks-$USER).") from None
+        try:
+            trust.check_path(directory, prebuilt=False)
+        except UnsafeCacheError as exc:
+            raise UnsafeCacheError(
+                f"The lock directory {exc.reason}",
+                f"give each user a lock directory of their own: {settings.LOCK_DIR}=/tmp/hicache-locks-$USER "
+                "(created private on first use); or: " + exc.fix) from None
+        return directory / f"{arch_tag}-{kernel}-{key}.lock"
 
     def failure_path(self, arch_tag: str, kernel: str, key: str) -> Path:
         return self.arch_dir(arch_tag) / f"{kernel}-{key}.failed.json"
@@ -370,7 +500,13 @@ class BuildCache:
         return Entry(entry.path, entry.manifest, self.prebuilt)
 
     # ---- building ----------------------------------------------------------
+    def _layout(self) -> None:
+        """Whatever writes into the layout directory first makes (and marks) it."""
+        if not is_marked(self.layout_root):
+            self.ensure_root()
+
     def new_staging_dir(self, entry_name: str) -> Path:
+        self._layout()
         staging = _private_dir(self.layout_root / ".staging")
         name = f"{entry_name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
         return _private_dir(staging / name)
@@ -381,13 +517,22 @@ class BuildCache:
         machine, published first), that one is kept and returned."""
         assert not self.prebuilt, "a prebuilt layer is never written to"
         entry = verify_entry(staged_entry, key=key)
-        os.chmod(staged_entry, 0o700)  # whoever staged it: published entries are private like the rest
+        if self.shared:  # a layer for everyone: readable by all, writable by none (never modified)
+            for name in os.listdir(staged_entry):
+                os.chmod(staged_entry / name, 0o444)
+            os.chmod(staged_entry, 0o555)
+        else:
+            os.chmod(staged_entry, 0o700)  # whoever staged it: published entries are private like the rest
         final = self.entry_path(arch_tag, kernel, key)
-        _private_dir(final.parent)
-        for _ in range(3):
+        for _ in range(5):
+            _private_dir(final.parent, self.dir_mode)
             try:
                 os.replace(staged_entry, final)  # atomic; refuses to replace a non-empty directory
                 return Entry(final, entry.manifest)
+            except FileNotFoundError:
+                if not staged_entry.exists():
+                    raise
+                continue  # the arch directory was removed meanwhile (a clean): make it again
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
@@ -417,25 +562,36 @@ class BuildCache:
         self._discard(path)
 
     # ---- failures ----------------------------------------------------------
-    def record_failure(self, arch_tag: str, kernel: str, key: str, reason: str, log_text: str) -> Path:
+    def record_failure(self, arch_tag: str, kernel: str, key: str, reason: str, log_text: str, *,
+                       cause: str = "compile_error", transient: bool = False) -> Path:
+        """Remembers a failed build: why (``cause``: compile_error, killed,
+        no_space, vanished) and whether the cause was the environment
+        (``transient``: the next call retries instead of failing at once)."""
         path = self.failure_path(arch_tag, kernel, key)
+        self._layout()
         _private_dir(path.parent)
         log_path = path.with_suffix("").with_suffix(".failed.log")
-        log_path.write_text(log_text)
-        record = {"key": key, "reason": reason, "log": log_path.name, "time": time.time(),
-                  "host": socket.gethostname(), "pid": os.getpid()}
-        tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        os.replace(tmp, path)
+        safeio.write_atomic(log_path, log_text.encode(errors="replace"))
+        record = {"key": key, "reason": reason, "cause": cause, "transient": transient, "log": log_path.name,
+                  "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
+        safeio.write_atomic(path, (json.dumps(record, indent=2) + "\n").encode())
         return log_path
 
     def read_failure(self, arch_tag: str, kernel: str, key: str) -> dict | None:
+        """The failure record, or None when there is none or it is malformed
+        (a record that cannot be read must not block builds; prune removes it)."""
         path = self.failure_path(arch_tag, kernel, key)
         try:
-            record = json.loads(path.read_text())
+            record = json.loads(safeio.read_regular(path, MAX_RECORD_BYTES))
         except (OSError, ValueError):
             return None
-        record["log_path"] = str(path.parent / record.get("log", ""))
+        if not isinstance(record, dict) or not isinstance(record.get("reason"), str) \
+                or not isinstance(record.get("time", 0), (int, float)) or isinstance(record.get("time"), bool) \
+                or not isinstance(record.get("log"), str) or not FILE_NAME.match(record["log"]) \
+                or not isinstance(record.get("transient", False), bool):
+            log.warning("ignoring a malformed failed-build record %s", path)
+            return None
+        record["log_path"] = str(path.parent / record["log"])
         return record
 
     def clear_failure(self, arch_tag: str, kernel: str, key: str) -> None:
@@ -444,41 +600,37 @@ class BuildCache:
             p.unlink(missing_ok=True)
 
     # ---- listing and cleaning ---------------------------------------------
+    def entry_dirs(self) -> list[Path]:
+        """Every directory named like an entry under an arch directory (verified or not)."""
+        if not self.layout_root.is_dir():
+            return []
+        found = []
+        for arch in sorted(self.layout_root.iterdir()):
+            if ARCH_TAG.match(arch.name) and arch.is_dir() and not arch.is_symlink():
+                found += sorted(p for p in arch.iterdir()
+                                if ENTRY_NAME.match(p.name) and p.is_dir() and not p.is_symlink())
+        return found
+
     def entries(self) -> list[tuple[Path, Entry | None, str]]:
         """Every entry directory with its verified Entry, or None and the problem."""
         found = []
-        if not self.layout_root.is_dir():
-            return found
-        for arch in sorted(p for p in self.layout_root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            for path in sorted(p for p in arch.iterdir() if p.is_dir()):
-                try:
-                    found.append((path, verify_entry(path), ""))
-                except CorruptEntry as exc:
-                    found.append((path, None, str(exc)))
+        for path in self.entry_dirs():
+            try:
+                found.append((path, verify_entry(path, key=path.name.rsplit("-", 1)[1]), ""))
+            except CorruptEntry as exc:
+                found.append((path, None, str(exc)))
         return found
 
     def failures(self) -> list[Path]:
         if not self.layout_root.is_dir():
             return []
-        return sorted(self.layout_root.glob("*/*.failed.json"))
+        return sorted(p for p in self.layout_root.glob("*/*.failed.json")
+                      if ARCH_TAG.match(p.parent.name) and FAILURE_NAME.match(p.name))
 
     def clean(self, *, failed_only: bool = False) -> list[Path]:
         """Removes failure records (and with failed_only=False every entry and
-        staging directory). Returns what was removed."""
-        removed = []
-        for record in self.failures():
-            for p in (record, record.with_suffix("").with_suffix(".failed.log")):
-                if p.exists():
-                    p.unlink()
-                    removed.append(p)
-        if failed_only or not self.layout_root.is_dir():
-            return removed
-        for child in sorted(self.layout_root.iterdir()):
-            if child.name == ".locks":
-                continue  # a live builder may hold one; lock files are empty and harmless
-            if child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
-            removed.append(child)
-        return removed
+        the debris of builders that are gone), skipping what a live process
+        holds; see prune.clean. Returns what was removed."""
+        from .prune import clean
+
+        return [path for path, _, _ in clean(self, failed_only=failed_only).removed]

@@ -5,9 +5,13 @@ come from a place no other user can change. The rules:
 
 * the writable cache (everything from its root down to the library): owned by
   this user and writable by nobody else (no group or other write bit);
-* a configured prebuilt layer: the operator chose it, so any owner will do (a
-  root-owned image directory is the usual case), but it must not be writable by
-  every user (no other write bit).
+* a configured prebuilt layer (local, or a ``file://`` URL): owned by root, by
+  this user, or by a user named in SGLANG_HICACHE_JIT_TRUSTED_OWNERS, and
+  writable by nobody else (no group or other write bit). A root-owned image
+  directory is the usual case. Another unprivileged user's layer would let
+  that user run code in this process, so it is refused unless named;
+* the lock directory: the writable cache's rules (a planted lock or holder
+  file in a directory another user controls could redirect our writes).
 
 Each check is one ``stat`` per path (a handful on the warm path). Parents of
 the cache root are not checked: a private root inside a sticky world-writable
@@ -30,11 +34,19 @@ def check_stat(st: os.stat_result, path: Path, *, prebuilt: bool) -> None:
     """Raises UnsafeCacheError when ``path`` (with stat result ``st``) is not safe to load from."""
     mode = stat.S_IMODE(st.st_mode)
     if prebuilt:
-        if mode & stat.S_IWOTH:
+        if st.st_uid not in (0, os.geteuid()) and st.st_uid not in settings.trusted_owners():
             raise UnsafeCacheError(
-                f"{path} in a prebuilt layer is writable by every user (mode {mode:04o}), so another user "
+                f"{path} in a prebuilt layer is owned by uid {st.st_uid}, which is neither root nor this user "
+                f"(uid {os.geteuid()}), so that user could change the code this process loads.",
+                f"have root own the layer (`chown -R root LAYER`; layers are usually root's), or name that "
+                f"user in {settings.TRUSTED_OWNERS} if you trust them.",
+            )
+        if mode & _GROUP_OR_OTHER_WRITE:
+            who = "every user" if mode & stat.S_IWOTH else "its group"
+            raise UnsafeCacheError(
+                f"{path} in a prebuilt layer is writable by {who} (mode {mode:04o}), so another user "
                 "could replace the library before it is loaded.",
-                f"chmod o-w {path} (and check who changed it), or remove the layer from {settings.PREBUILT_DIRS}.",
+                f"chmod go-w {path} (and check who changed it), or remove the layer from {settings.PREBUILT_DIRS}.",
             )
         return
     if st.st_uid != os.geteuid():

@@ -19,7 +19,8 @@ def _staged(cache: BuildCache, key: str, payload: bytes = b"\x7fELF fake library
     (staging / f"k_{key}.so").write_bytes(payload)
     (staging / "build.log").write_text("ok\n")
     write_manifest(staging, {"name": f"k_{key}", "kernel": "k", "key": key, "abi_key": "abi1",
-                             "toolkit": _TOOLKITS[key], "library": f"k_{key}.so", "log": "build.log"})
+                             "toolkit": _TOOLKITS[key], "library": f"k_{key}.so", "log": "build.log",
+                             "components": {"archs": ["9.0"]}})
     return staging
 
 
@@ -70,8 +71,9 @@ def test_failure_records_round_trip_and_clean(tmp_path):
     record = cache.read_failure("sm90", "k", AA)
     assert record["reason"] == "nvcc said no" and record["log_path"] == str(log)
     assert log.read_text() == "error: line 3\n"
-    removed = cache.clean(failed_only=True)
-    assert len(removed) == 2 and cache.read_failure("sm90", "k", AA) is None
+    removed = cache.clean(failed_only=True)  # the record and its log, counted as one record
+    assert removed == [cache.failure_path("sm90", "k", AA)] and not log.exists()
+    assert cache.read_failure("sm90", "k", AA) is None
 
 
 def test_cache_directories_are_private(tmp_path):

@@ -77,7 +77,7 @@ def test_world_writable_prebuilt_layer_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_HICACHE_JIT_PREBUILT_DIRS", str(layer))
     with pytest.raises(UnsafeCacheError, match="writable by every user") as info:
         ensure_built(ARCHS, build=False)
-    assert info.value.code == "unsafe_cache" and "chmod o-w" in info.value.fix
+    assert info.value.code == "unsafe_cache" and "chmod go-w" in info.value.fix
 
 
 @pytest.mark.parametrize("scheme", ["memory", "file"])

@@ -51,12 +51,21 @@ def test_group_writable_library_is_not_loaded(tmp_path):
         open_verified(entry)
 
 
-def test_another_users_cache_is_refused_but_a_prebuilt_layer_may_be_foreign(tmp_path):
+def test_another_users_cache_is_refused_and_a_prebuilt_layer_only_if_its_owner_is_trusted(tmp_path, monkeypatch):
     st = os.stat(tmp_path)
-    foreign = os.stat_result((stat.S_IFDIR | 0o755, st.st_ino, st.st_dev, 2, os.geteuid() + 1, 0, 0, 0, 0, 0))
+    other = os.geteuid() + 1 if os.geteuid() else 12345
+
+    def owned_by(uid):
+        return os.stat_result((stat.S_IFDIR | 0o755, st.st_ino, st.st_dev, 2, uid, 0, 0, 0, 0, 0))
+
     with pytest.raises(UnsafeCacheError, match="owned by uid"):
-        trust.check_stat(foreign, tmp_path, prebuilt=False)
-    trust.check_stat(foreign, tmp_path, prebuilt=True)  # e.g. root-owned, in an image
+        trust.check_stat(owned_by(other), tmp_path, prebuilt=False)
+    trust.check_stat(owned_by(0), tmp_path, prebuilt=True)  # root-owned, in an image
+    trust.check_stat(owned_by(os.geteuid()), tmp_path, prebuilt=True)
+    with pytest.raises(UnsafeCacheError, match="neither root nor this user"):
+        trust.check_stat(owned_by(other), tmp_path, prebuilt=True)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_TRUSTED_OWNERS", str(other))
+    trust.check_stat(owned_by(other), tmp_path, prebuilt=True)  # named by the operator
 
 
 def test_cli_reports_the_refusal(tmp_path):
