@@ -18,6 +18,16 @@ then builds a fresh entry. Loading processes are unaffected: an entry goes by
 one rename out of sight (readers see all of it or none), and a loader reads
 and maps the library through a descriptor it opened before (loader.py).
 
+Only what this package provably created is ever deleted: layout directories
+carrying its marker (cache.LAYOUT_MARKER), and inside them only names of the
+forms it gives (arch tags, entry names, failure records, its own staging and
+trash directories). A cache root pointed at a directory with someone else's
+``v2/`` keeps it.
+
+``clean`` (the ``clean`` command) removes every entry, failure record and
+leftover the same way, with the same locks: it skips entries being built and
+staging directories whose builder or importer is still running.
+
 "Last used" is the mtime of the entry's ``last_used`` marker, refreshed at
 most hourly on load (cache.touch_used), else the manifest's (the build).
 Prebuilt layers are never pruned.
@@ -25,10 +35,12 @@ Prebuilt layers are never pruned.
 
 from __future__ import annotations
 
+import errno
 import logging
+import math
 import os
-import re
 import shutil
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -36,14 +48,17 @@ from pathlib import Path
 
 import filelock
 
-from . import settings
-from .cache import BuildCache, CorruptEntry, acceptable, entry_size, last_used, verify_entry
+from . import safeio, settings
+from .cache import (ARCH_TAG, ENTRY_NAME, FAILURE_NAME, BuildCache, CorruptEntry, acceptable, entry_size, is_marked,
+                    last_used, verify_entry)
+from .errors import BadSettingError, write_error
 from .spec import KERNEL, LAYOUT_VERSION
 
 log = logging.getLogger("sglang_hicache_jit")
 
 _DAY = 86400.0
-_LAYOUT_DIR = re.compile(r"^v\d+$")
+# What build.py writes into a staging directory: the compile's process group.
+BUILDER_FILE = "builder.json"
 
 
 @dataclass
@@ -59,11 +74,14 @@ class PruneReport:
 
 
 def _try_lock(path: Path) -> filelock.FileLock | None:
+    """The lock, taken without waiting; None when another process holds it."""
     lock = filelock.FileLock(str(path))
     try:
         lock.acquire(timeout=0)
     except filelock.Timeout:
         return None
+    except OSError as exc:  # a read-only or full lock directory
+        raise write_error(exc, f"the lock {path}") from None
     return lock
 
 
@@ -86,48 +104,136 @@ def _staging_owner(name: str) -> tuple[str, str, int] | None:
 
 
 def _entry_locks(cache: BuildCache, entry_name: str) -> list[Path]:
-    directory = settings.lock_dir() or cache.layout_root / ".locks"
+    directory = cache.lock_dir()
     return sorted(directory.glob(f"*-{entry_name}.lock")) if directory.is_dir() else []
 
 
-def _prune_debris(cache: BuildCache, report: PruneReport, now: float) -> None:
+def _remove_tree(path: Path) -> bool:
+    """Deletes ``path`` (a directory or a file); True when it is gone. Errors
+    other than 'already gone' raise CacheWriteError: a removal that did not
+    happen is never reported as made."""
+    errors: list[OSError] = []
+
+    def note(function, failed_path, exc_info):
+        exc = exc_info[1]
+        if not isinstance(exc, FileNotFoundError):
+            errors.append(exc)
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, onerror=note)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            errors.append(exc)
+    if errors:
+        raise write_error(errors[0], f"{path} (in the cache)") from None
+    return not os.path.lexists(path)
+
+
+def kill_stale_build(staging: Path) -> None:
+    """Kills what is left of a dead builder's compile (ninja, nvcc, cicc): the
+    processes of the process group recorded in ``staging`` whose working
+    directory is inside ``staging``. Both must hold, so a reused process group
+    number never takes an unrelated process down. Linux only (/proc); a no-op
+    elsewhere."""
+    try:
+        record = safeio.read_regular(staging / BUILDER_FILE, 4096)
+        import json
+
+        pgid = json.loads(record)["pgid"]
+        if not isinstance(pgid, int) or isinstance(pgid, bool) or pgid <= 1:
+            return
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    root = os.path.realpath(staging)
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[2]) != pgid:  # fields after the command: state, ppid, pgrp
+                continue
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            if cwd == root or cwd.startswith(root + "/"):
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue
+
+
+def _staging_gone(owner: tuple[str, str, int] | None, age: float, host: str, max_age: float) -> bool:
+    """Whether a staging directory's builder is gone: on this host its pid is
+    dead; on another host (or unknown) it is older than ``max_age``."""
+    if owner is None:
+        return False  # not a name this package gives: not ours to remove
+    _, owner_host, pid = owner
+    return (owner_host == host and not _pid_alive(pid)) or age > max_age
+
+
+def reap_stale_staging(cache: BuildCache, entry_name: str) -> None:
+    """Called by a builder that holds ``entry_name``'s lock: removes the staging
+    directories of earlier builders of that entry on this host that died
+    (SIGKILL, OOM), after killing any compiler they left running."""
+    staging = cache.layout_root / ".staging"
+    host = socket.gethostname()
+    try:
+        candidates = sorted(staging.glob(f"{entry_name}.*"))
+    except OSError:
+        return
+    for path in candidates:
+        owner = _staging_owner(path.name)
+        if owner is None or owner[0] != entry_name or owner[1] != host or owner[2] == os.getpid() \
+                or _pid_alive(owner[2]):
+            continue
+        kill_stale_build(path)
+        try:
+            _remove_tree(path)
+            log.info("removed %s, left by a builder that died", path)
+        except Exception as exc:  # housekeeping: never stops the build
+            log.warning("could not remove %s: %s", path, exc)
+
+
+def _prune_debris(cache: BuildCache, report: PruneReport, now: float, max_age: float = _DAY) -> None:
     staging = cache.layout_root / ".staging"
     host = socket.gethostname()
     for path in sorted(staging.iterdir()) if staging.is_dir() else []:
         owner = _staging_owner(path.name)
         try:
-            age = now - path.stat().st_mtime
+            age = now - path.lstat().st_mtime
         except OSError:
             continue
-        if owner is None:
-            gone = age > _DAY
-        else:
-            entry_name, owner_host, pid = owner
-            gone = (owner_host == host and not _pid_alive(pid)) or age > _DAY
-        if not gone:
+        if not _staging_gone(owner, age, host, max_age):
             continue
+        kill_stale_build(path)
         # A builder in another PID namespace (a container with the same host name) still holds the entry lock.
-        _remove_unless_locked(path, _entry_locks(cache, owner[0]) if owner else [],
+        _remove_unless_locked(path, _entry_locks(cache, owner[0]),
                               "staging directory of a builder that is gone", report, record_locked=False)
     trash = cache.layout_root / ".trash"
     for path in sorted(trash.iterdir()) if trash.is_dir() else []:
         size = _tree_size(path)
-        shutil.rmtree(path, ignore_errors=True)  # another process may be deleting it too: harmless
-        report.removed.append((path, "an entry left half-deleted", size))
+        if _remove_tree(path):  # another process may be deleting it too: harmless
+            report.removed.append((path, "an entry left half-deleted", size))
 
 
 def _remove_unless_locked(path: Path, lock_paths: list[Path], reason: str, report: "PruneReport", *,
                           record_locked: bool) -> None:
     """Removes ``path`` while holding every lock in ``lock_paths``; skips it if any is held elsewhere."""
-    locks = [_try_lock(p) for p in lock_paths]
+    locks = []
     try:
+        for p in lock_paths:
+            locks.append(_try_lock(p))
         if any(lock is None for lock in locks):
             if record_locked:
                 report.skipped_locked.append(path)
             return
         size = _tree_size(path)
-        shutil.rmtree(path, ignore_errors=True)
-        report.removed.append((path, reason, size))
+        if _remove_tree(path):
+            report.removed.append((path, reason, size))
     finally:
         for lock in locks:
             if lock is not None:
@@ -149,11 +255,24 @@ def _prune_other_layouts(cache: BuildCache, report: PruneReport) -> None:
     if not cache.root.is_dir():
         return
     for path in sorted(cache.root.iterdir()):
-        if not path.is_dir() or path.name == LAYOUT_VERSION or not _LAYOUT_DIR.match(path.name):
+        # Only layout directories this package made (marked); an unrelated v2/ or v10/ is not ours.
+        if path.name == LAYOUT_VERSION or not path.is_dir() or path.is_symlink() or not is_marked(path):
             continue
         # An older version may be building there right now.
         _remove_unless_locked(path, sorted((path / ".locks").glob("*.lock")), "cache of another layout version",
                               report, record_locked=True)
+
+
+def _remove_failures(cache: BuildCache, report: PruneReport) -> None:
+    for record in cache.failures():
+        log_file = record.with_suffix("").with_suffix(".failed.log")
+        size = sum(p.lstat().st_size for p in (record, log_file) if os.path.lexists(p))
+        removed = False
+        for p in (record, log_file):
+            if os.path.lexists(p):
+                removed |= _remove_tree(p)
+        if removed:
+            report.removed.append((record, "failed-build record", size))
 
 
 class _Usability:
@@ -172,7 +291,7 @@ class _Usability:
 
         if manifest.get("kernel") != KERNEL:
             return False
-        archs = tuple(manifest.get("components", {}).get("archs", []))
+        archs = tuple(manifest["components"]["archs"])  # a list of str: cache.manifest_problem checked it
         if archs not in self.abi_keys:
             try:
                 self.abi_keys[archs] = BuildSpec.for_archs(parse_arch_list(";".join(archs))).abi_key
@@ -182,67 +301,67 @@ class _Usability:
         return abi_key is not None and acceptable(manifest, abi_key, self.toolkit)
 
 
+def _check_days(older_than_days) -> None:
+    if older_than_days is None:
+        return
+    if isinstance(older_than_days, bool) or not isinstance(older_than_days, (int, float)) \
+            or not math.isfinite(older_than_days) or older_than_days <= 0:
+        raise BadSettingError(f"--older-than {older_than_days!r} cannot be used: it must be a finite number of "
+                              "days above 0.", "write e.g. --older-than 30 (days since an entry was last loaded).")
+
+
+def _owned(cache: BuildCache) -> bool:
+    """Whether the cache's layout directory is this package's (marked); logs why not."""
+    if not cache.layout_root.is_dir():
+        return False
+    if not is_marked(cache.layout_root):
+        log.warning("%s was not made by sglang-hicache-jit (no %s marker): nothing is removed there",
+                    cache.layout_root, ".sglang-hicache-jit")
+        return False
+    return True
+
+
 def prune(cache: BuildCache, *, max_size: int | None = None, older_than_days: float | None = None,
           stale: bool = True, failures: bool = True, keep: tuple[Path, ...] = (), now: float | None = None
           ) -> PruneReport:
     """Removes what the module docstring lists; returns what was removed and what was skipped."""
     assert not cache.prebuilt, "a prebuilt layer is never pruned"
+    _check_days(older_than_days)
     now = time.time() if now is None else now
     report = PruneReport()
-    if not cache.layout_root.is_dir():
-        return report
-    _prune_debris(cache, report, now)
     if stale:
         _prune_other_layouts(cache, report)
+    if not _owned(cache):
+        return report
+    _prune_debris(cache, report, now)
     if failures:
-        for record in cache.failures():
-            log_file = record.with_suffix("").with_suffix(".failed.log")
-            size = sum(p.stat().st_size for p in (record, log_file) if p.exists())
-            for p in (record, log_file):
-                p.unlink(missing_ok=True)
-            report.removed.append((record, "failed-build record", size))
+        _remove_failures(cache, report)
 
     usable = _Usability() if stale else None
     keep = {Path(p) for p in keep}
     candidates = []  # (last used, path, size, why-if-stale)
-    for arch in sorted(p for p in cache.layout_root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        for path in sorted(p for p in arch.iterdir() if p.is_dir()):
-            size = entry_size(path)
-            why = None
-            if usable is not None:
-                try:
-                    manifest = verify_entry(path, key=path.name.rsplit("-", 1)[-1]).manifest
-                    if not usable(manifest):
-                        why = "built for another package, torch, Python, source or CUDA version"
-                except CorruptEntry as exc:
-                    why = f"corrupt ({exc})"
-            candidates.append((last_used(path), path, size, why))
+    for path in cache.entry_dirs():
+        size = entry_size(path)
+        why = None
+        if usable is not None:
+            try:
+                manifest = verify_entry(path, key=path.name.rsplit("-", 1)[-1]).manifest
+                if not usable(manifest):
+                    why = "built for another package, torch, Python, source or CUDA version"
+            except CorruptEntry as exc:
+                why = f"corrupt ({exc})"
+        candidates.append((last_used(path), path, size, why))
     report.total_before = total = sum(size for _, _, size, _ in candidates)
 
     def remove(path: Path, size: int, why: str) -> bool:
         nonlocal total
         if path in keep:
             return False
-        kernel, key = path.name.rsplit("-", 1)
-        lock = _try_lock(cache.lock_path(path.parent.name, kernel, key))
-        if lock is None:
-            report.skipped_locked.append(path)
-            return False
-        try:
-            if not path.exists():
-                return False  # someone else removed it
-            if why.startswith("corrupt"):
-                try:  # it may have been rebuilt since it was looked at: check again under the lock
-                    verify_entry(path, key=key)
-                    return False
-                except CorruptEntry:
-                    pass
-            cache.remove_entry(path)
-        finally:
-            lock.release()
-        report.removed.append((path, why, size))
-        total -= size
-        return True
+        if _remove_entry(cache, path, report, recheck_corrupt=why.startswith("corrupt")):
+            report.removed.append((path, why, size))
+            total -= size
+            return True
+        return False
 
     remaining = []
     for used, path, size, why in candidates:
@@ -261,6 +380,58 @@ def prune(cache: BuildCache, *, max_size: int | None = None, older_than_days: fl
     return report
 
 
+def _remove_entry(cache: BuildCache, path: Path, report: PruneReport, *, recheck_corrupt: bool = False) -> bool:
+    """Removes one published entry under its lock; False when locked, gone, or (with
+    recheck_corrupt) rebuilt meanwhile."""
+    kernel, key = path.name.rsplit("-", 1)
+    lock = _try_lock(cache.lock_path(path.parent.name, kernel, key))
+    if lock is None:
+        report.skipped_locked.append(path)
+        return False
+    try:
+        if not path.exists():
+            return False  # someone else removed it
+        if recheck_corrupt:
+            try:  # it may have been rebuilt since it was looked at: check again under the lock
+                verify_entry(path, key=key)
+                return False
+            except CorruptEntry:
+                pass
+        try:
+            cache.remove_entry(path)
+        except OSError as exc:
+            raise write_error(exc, f"{path} (in the cache)") from None
+        return not path.exists()
+    finally:
+        lock.release()
+
+
+def clean(cache: BuildCache, *, failed_only: bool = False) -> PruneReport:
+    """Removes every failure record, and unless ``failed_only`` every entry and
+    leftover (staging, trash), the way prune does: under the entries' locks,
+    skipping an entry being built and the staging directory of a live builder
+    or importer. Only in a layout directory this package made."""
+    assert not cache.prebuilt, "a prebuilt layer is never cleaned"
+    report = PruneReport()
+    if not _owned(cache):
+        return report
+    _remove_failures(cache, report)
+    if failed_only:
+        return report
+    for path in cache.entry_dirs():
+        size = entry_size(path)
+        if _remove_entry(cache, path, report):
+            report.removed.append((path, "removed by clean", size))
+    _prune_debris(cache, report, time.time(), max_age=math.inf)
+    for arch in sorted(cache.layout_root.iterdir()):  # empty arch directories
+        if ARCH_TAG.match(arch.name) and arch.is_dir() and not arch.is_symlink():
+            try:
+                arch.rmdir()
+            except OSError:
+                pass  # not empty (an entry kept, or one published meanwhile)
+    return report
+
+
 def apply_size_cap(cache: BuildCache, keep: tuple[Path, ...] = ()) -> PruneReport | None:
     """SGLANG_HICACHE_JIT_CACHE_MAX_SIZE, applied after a build or import publishes
     (never on the warm path). Housekeeping: a problem is logged, never raised."""
@@ -269,7 +440,7 @@ def apply_size_cap(cache: BuildCache, keep: tuple[Path, ...] = ()) -> PruneRepor
         if limit is None:
             return None
         report = prune(cache, max_size=limit, keep=keep, stale=False, failures=False)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: HicacheJitError (read-only cache ...)
         log.warning("could not apply %s: %s", settings.CACHE_MAX_SIZE, exc)
         return None
     if report.removed:

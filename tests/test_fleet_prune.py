@@ -92,6 +92,7 @@ def test_stale_entries_failures_and_debris(tmp_path, monkeypatch):
     os.utime(foreign_old, (time.time() - 3 * 86400,) * 2)
     old_layout = tmp_path / "v0" / "sm90" / "x"
     old_layout.mkdir(parents=True)
+    (tmp_path / "v0" / ".sglang-hicache-jit").write_text("")  # made by this package (an older version)
     report = prune(cache)
     assert entry_dirs(tmp_path) == [f"v1/sm90/{current.path.name}"]
     reasons = {p: why for p, why, _ in report.removed}
