@@ -8,7 +8,26 @@ whatever sys.path the parent had. Exits non-zero when the build fails.
 """
 
 import json
+import os
+import signal
 import sys
+
+
+def _die_with_parent(parent: int) -> None:
+    """build.py started us as the leader of a new process group (ninja, nvcc and
+    cicc join it). When the builder dies, even by SIGKILL, the kernel sends us
+    SIGTERM (PR_SET_PDEATHSIG) and we kill the whole group, so no compiler is
+    left running for nobody."""
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the next builder reaps what is left (prune.py)
+        pass
+    if os.getppid() != parent:  # the builder died before the request above
+        os.killpg(0, signal.SIGKILL)
 
 
 def main(request_path: str) -> None:
@@ -32,4 +51,6 @@ def main(request_path: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2:
+        _die_with_parent(int(sys.argv[2]))
     main(sys.argv[1])

@@ -4,12 +4,25 @@ The compile runs ``_compile.py`` in a child process (torch.utils.cpp_extension
 .load with verbose output into the build log), inside a private staging
 directory. The sources are copied there first, so the bytes compiled are the
 bytes the key was computed from.
+
+The child runs in its own process group (ninja, nvcc and cicc join it) and
+kills that group when this process dies, even by SIGKILL (_compile.py asks
+the kernel for a signal on its parent's death). The group is also recorded in
+the staging directory (``builder.json``) so that the next builder of the entry
+can kill what is left and remove the directory (prune.reap_stale_staging).
+
+A failure is classified: a compiler that exited with an error is final until
+the sources, flags or toolkit change (``compile_error``); a compile killed by
+a signal (``killed``), a full disk (``no_space``) or a staging directory that
+vanished (``vanished``) are transient, and the next call builds again.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,12 +42,55 @@ def _tail(text: str, lines: int = 20) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+_NO_SPACE = ("No space left on device", "Disk quota exceeded")
+
+
+def _classify(returncode: int, text: str) -> tuple[str, bool]:
+    """(cause, transient) of a failed compile."""
+    if returncode < 0:
+        return "killed", True
+    if any(marker in text for marker in _NO_SPACE):
+        return "no_space", True
+    return "compile_error", False
+
+
+def _run_compiler(args: list[str], log, env: dict, cwd: Path) -> int:
+    """Runs the compile child in its own process group; if this call is
+    interrupted (Ctrl-C, an exception), the whole group is killed, not just the child."""
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+                            start_new_session=True)
+    try:
+        from .prune import BUILDER_FILE
+
+        (cwd / BUILDER_FILE).write_text(json.dumps({"pgid": proc.pid, "pid": os.getpid()}))
+        return proc.wait()
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.wait()
+        raise
+
+
 def compile_entry(spec: BuildSpec, key: str, tools: BuildTools, staging: Path) -> tuple[Path, float]:
     """Builds into ``staging/entry`` (library, build.log, manifest.json).
 
     Returns the entry directory and the compile seconds; raises
     BuildFailedError with the log's text when the compiler fails.
     """
+    try:
+        return _compile_entry(spec, key, tools, staging)
+    except OSError as exc:  # our own writes into staging: a full disk, or the directory removed under us
+        transient_cause = {errno.ENOSPC: "no_space", errno.EDQUOT: "no_space", errno.ENOENT: "vanished"}
+        cause = transient_cause.get(exc.errno)
+        if cause is None:
+            raise
+        raise BuildFailedError(f"Building {spec.extension_name(key)} for {spec.arch_tag} failed: {exc}",
+                               transient=True, cause=cause) from None
+
+
+def _compile_entry(spec: BuildSpec, key: str, tools: BuildTools, staging: Path) -> tuple[Path, float]:
     name = spec.extension_name(key)
     src_dir = staging / "src"
     build_dir = staging / "build"
@@ -67,18 +123,16 @@ def compile_entry(spec: BuildSpec, key: str, tools: BuildTools, staging: Path) -
     with open(log_path, "wb") as log:
         log.write(f"# {name} for {', '.join(map(str, spec.archs))} with {tools.nvcc_version}\n".encode())
         log.flush()
-        result = subprocess.run(
-            [sys.executable, str(_COMPILE_SCRIPT), str(request_path)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=staging,
-        )
+        returncode = _run_compiler([sys.executable, str(_COMPILE_SCRIPT), str(request_path), str(os.getpid())],
+                                   log, env, staging)
     seconds = time.monotonic() - started
     library = build_dir / f"{name}.so"
-    if result.returncode != 0 or not library.is_file():
+    if returncode != 0 or not library.is_file():
         text = log_path.read_text(errors="replace")
-        raise BuildFailedError(
-            f"Compiling {name} for {spec.arch_tag} failed (exit {result.returncode}):\n{_tail(text)}",
-            log_path=str(log_path),
-        )
+        cause, transient = _classify(returncode, text)
+        how = f"was killed by signal {-returncode}" if returncode < 0 else f"failed (exit {returncode})"
+        raise BuildFailedError(f"Compiling {name} for {spec.arch_tag} {how}:\n{_tail(text)}",
+                               log_path=str(log_path), cause=cause, transient=transient)
     os.replace(library, entry_dir / library.name)
     write_manifest(entry_dir, {
         "name": name,

@@ -34,12 +34,12 @@ from pathlib import Path
 
 import filelock
 
-from . import remote, settings
+from . import remote, safeio, settings
 from .arch import Arch, current_gpu_capability, resolve_archs
 from .build import compile_entry
-from .cache import BuildCache, CorruptEntry, Entry, open_verified, sass_numbers, touch_used
+from .cache import MAX_RECORD_BYTES, BuildCache, CorruptEntry, Entry, open_verified, sass_numbers, touch_used
 from .errors import (ArchUnsupportedError, BuildFailedError, DisabledError, HicacheJitError, LockTimeoutError,
-                     NotBuiltError)
+                     NotBuiltError, UnsafeCacheError, write_error)
 from .spec import BuildSpec
 from .toolchain import check_build_tools, find_toolkit, require_toolkit
 
@@ -118,7 +118,7 @@ def _build_lock(cache: BuildCache, spec: BuildSpec, key: str):
         try:
             lock.acquire(timeout=min(1.0, timeout))
             break
-        except filelock.Timeout:
+        except filelock.Timeout:  # (a TimeoutError, hence an OSError: caught first)
             waited = True
             now = time.monotonic()
             holder = _read_owner(owner_path)
@@ -132,8 +132,14 @@ def _build_lock(cache: BuildCache, spec: BuildSpec, key: str):
                 log.info("waiting for %s to finish building %s for %s (%.0f s so far)",
                          holder, spec.kernel, spec.arch_tag, now - started)
                 last_log = now
+        except OSError as exc:  # the lock file cannot be created: a read-only or full lock directory
+            raise write_error(exc, f"the build lock {path}") from None
     try:
-        owner_path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
+        try:  # a new file renamed over the old one: a planted symlink is replaced, never written through
+            safeio.write_atomic(owner_path, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                        "since": time.time()}).encode(), 0o644)
+        except OSError as exc:  # informative only (waiters name the holder)
+            log.debug("could not write %s: %s", owner_path, exc)
         yield waited
     finally:
         lock.release()
@@ -141,18 +147,22 @@ def _build_lock(cache: BuildCache, spec: BuildSpec, key: str):
 
 def _read_owner(path: Path) -> str:
     try:
-        owner = json.loads(path.read_text())
-        return f"pid {owner['pid']} on {owner['host']}"
+        owner = json.loads(safeio.read_regular(path, 4096))
+        return f"pid {int(owner['pid'])} on {str(owner['host'])[:255]}"
     except (OSError, ValueError, KeyError, TypeError):
         return "another process"
 
 
 def _fail_fast(cache: BuildCache, spec: BuildSpec, key: str, newer_than: float | None = None) -> None:
+    """Raises the remembered failure of this build, unless there is none, it is
+    older than ``newer_than``, or its cause was transient (killed, disk full:
+    the build is simply tried again)."""
     failure = cache.read_failure(spec.arch_tag, spec.kernel, key)
-    if failure is None or (newer_than is not None and failure.get("time", 0) < newer_than):
+    if failure is None or failure.get("transient") or (newer_than is not None and failure.get("time", 0) < newer_than):
         return
+    reason = (failure["reason"].strip().splitlines() or ["no reason recorded"])[0]
     raise BuildFailedError(
-        f"The build of {spec.kernel} for {spec.arch_tag} failed earlier: {failure.get('reason', '').splitlines()[0]}",
+        f"The build of {spec.kernel} for {spec.arch_tag} failed earlier: {reason}",
         f"read {failure['log_path']}, fix the cause, then run `sglang-hicache-jit clean --failed` "
         "(or `sglang-hicache-jit prewarm`, which retries).",
         log_path=failure["log_path"],
@@ -165,7 +175,11 @@ def find_entry(spec: BuildSpec, key: str | None, toolkit: str | None, cache: Bui
     Returns it with the action to report. A corrupt exact entry in the writable
     cache is only reported here; the caller rebuilds it under the lock."""
     for layer in prebuilt_layers():
-        entry = layer.find(spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit)
+        try:
+            entry = layer.find(spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit)
+        except OSError as exc:  # e.g. a layer this user cannot read (`doctor` reports it)
+            log.warning("prebuilt layer %s skipped: %s", layer.root, exc)
+            continue
         if entry is not None:
             return entry, "prebuilt"
     try:
@@ -177,6 +191,8 @@ def find_entry(spec: BuildSpec, key: str | None, toolkit: str | None, cache: Bui
     for url in remote_layers():
         try:
             entry = remote.fetch_entry(url, cache, spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit)
+        except UnsafeCacheError:  # refused like an unsafe local layer, not skipped silently
+            raise
         except Exception as exc:  # fsspec backends raise their own types; a layer that is down must not stop a build
             log.warning("prebuilt layer %s skipped: %s: %s", url, type(exc).__name__, exc)
             continue
@@ -188,6 +204,8 @@ def find_entry(spec: BuildSpec, key: str | None, toolkit: str | None, cache: Bui
 def ensure_built(archs: tuple[Arch, ...], *, build: bool = True, retry_failed: bool = False) -> BuildResult:
     """Makes sure a verified entry exists for ``archs``; builds it when needed and allowed."""
     started = time.time()
+    # Settings a build needs, read before anything is created (a bad one leaves nothing behind).
+    settings.lock_timeout(), settings.build_jobs()
     spec = BuildSpec.for_archs(archs)
     cache = writable_cache()
     toolkit = find_toolkit()
@@ -228,22 +246,47 @@ def ensure_built(archs: tuple[Arch, ...], *, build: bool = True, retry_failed: b
 
 
 def _build(cache: BuildCache, spec: BuildSpec, key: str, tools) -> BuildResult:
+    """Compiles and publishes one entry; the caller holds its lock. The staging
+    directory is removed whatever happens."""
+    from .prune import reap_stale_staging
+
     entry_name = f"{spec.kernel}-{key}"
-    staging = cache.new_staging_dir(entry_name)
+    reap_stale_staging(cache, entry_name)  # left by an earlier builder of this entry that was killed
+    try:
+        staging = cache.new_staging_dir(entry_name)
+    except OSError as exc:
+        raise write_error(exc, f"the cache directory {cache.root} ({cache.setting})") from None
     log.info("compiling %s for %s with %s (log: %s)", spec.kernel, spec.arch_tag, tools.nvcc_version,
              staging / "entry" / "build.log")
     try:
-        entry_dir, seconds = compile_entry(spec, key, tools, staging)
-    except BuildFailedError as exc:
-        log_text = Path(exc.log_path).read_text(errors="replace") if exc.log_path else exc.reason
-        log_path = cache.record_failure(spec.arch_tag, spec.kernel, key, exc.reason, log_text)
+        try:
+            entry_dir, seconds = compile_entry(spec, key, tools, staging)
+        except BuildFailedError as exc:
+            log_text = exc.reason
+            if exc.log_path:
+                try:
+                    log_text = safeio.read_regular(exc.log_path, 64 << 20).decode(errors="replace")
+                except OSError:
+                    pass
+            try:
+                log_path = str(cache.record_failure(spec.arch_tag, spec.kernel, key, exc.reason, log_text,
+                                                    cause=exc.cause, transient=exc.transient))
+            except OSError:  # e.g. the disk is full: the error itself still goes to the caller
+                log_path = None
+            if exc.transient:
+                fix = (f"{exc.fix} It was not the sources: the next call builds again."
+                       if exc.fix else "It was not the sources: the next call builds again.")
+            else:
+                fix = (f"read {log_path}; after fixing the cause run `sglang-hicache-jit clean --failed` or "
+                       "`sglang-hicache-jit prewarm`.")
+            raise BuildFailedError(exc.reason, fix, log_path=log_path, transient=exc.transient) from None
+        try:
+            cache.clear_failure(spec.arch_tag, spec.kernel, key)
+            entry = cache.publish(entry_dir, spec.arch_tag, spec.kernel, key)
+        except OSError as exc:
+            raise write_error(exc, f"publishing into {cache.root} ({cache.setting})") from None
+    finally:
         _remove_tree(staging)
-        raise BuildFailedError(exc.reason, f"read {log_path}; after fixing the cause run "
-                               "`sglang-hicache-jit clean --failed` or `sglang-hicache-jit prewarm`.",
-                               log_path=str(log_path)) from None
-    cache.clear_failure(spec.arch_tag, spec.kernel, key)
-    entry = cache.publish(entry_dir, spec.arch_tag, spec.kernel, key)
-    _remove_tree(staging)
     log.info("compiled %s for %s in %.1f s", spec.kernel, spec.arch_tag, seconds)
     return BuildResult(spec.kernel, spec.archs, "built", seconds, entry)
 
