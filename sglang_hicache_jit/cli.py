@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import sys
 
 from . import __version__, settings
-from .errors import HicacheJitError
+from .errors import BadSettingError, HicacheJitError
 
 
 def _archs_from(text: str | None):
@@ -171,10 +172,13 @@ def cmd_demo(args) -> int:
 
 def cmd_clean(args) -> int:
     from .cache import BuildCache
+    from .prune import clean
 
-    removed = BuildCache(settings.cache_root()).clean(failed_only=args.failed)
+    report = clean(BuildCache(settings.cache_root()), failed_only=args.failed)
+    for path in report.skipped_locked:
+        print(f"kept    {path}: another process is building or importing it")
     what = "failed-build records" if args.failed else "cache entries, records and staging directories"
-    print(f"removed {len(removed)} {what} under {settings.cache_root()}")
+    print(f"removed {len(report.removed)} {what} under {settings.cache_root()}")
     return 0
 
 
@@ -325,7 +329,34 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s",
                         stream=sys.stderr)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (HicacheJitError, OSError) as exc:
+        message = expected_error(exc)
+        if message is None:
+            raise  # a bug: the traceback is for the report
+        print(message, file=sys.stderr)
+        return 2 if isinstance(exc, BadSettingError) else 1
+
+
+# OSErrors that come from the environment (permissions, a full or read-only
+# disk, a path that is not what it should be), not from a bug in this package.
+_ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOENT,
+                       errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP, errno.EBUSY, errno.EIO,
+                       errno.ENOTEMPTY, errno.EEXIST, errno.EXDEV, errno.EMFILE, errno.ENFILE}
+
+
+def expected_error(exc: BaseException) -> str | None:
+    """The one line `error: ...` for an expected error (HicacheJitError, or an
+    OSError caused by the environment); None for anything else (a bug)."""
+    if isinstance(exc, HicacheJitError):
+        reason = " ".join(exc.reason.strip().splitlines()[:1]) or exc.code
+        return f"error: [{exc.code}] {reason}" + (f" (fix: {exc.fix})" if exc.fix else "")
+    if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
+        where = f": {exc.filename}" if exc.filename else ""
+        return (f"error: {exc.strerror or exc}{where} (fix: check that the path exists and that this user may "
+                "read and write it, and that the disk has space)")
+    return None
 
 
 if __name__ == "__main__":

@@ -70,11 +70,12 @@ def _existing_ancestor(path: Path) -> Path:
 
 def _settings_checks() -> list[Check]:
     problems = []
-    for reader in (settings.lock_timeout, settings.build_jobs, settings.method, settings.cache_max_size):
+    for reader in (settings.lock_timeout, settings.build_jobs, settings.method, settings.cache_max_size,
+                   settings.cache_root, settings.lock_dir, settings.trusted_owners):
         try:
             reader()
-        except ValueError as exc:
-            problems.append(str(exc))
+        except ValueError as exc:  # BadSettingError is one
+            problems.append(exc.reason if isinstance(exc, HicacheJitError) else str(exc))
     if problems:
         return [_problem("settings", "; ".join(problems), "correct the environment variables named above.")]
     return [_ok("settings", "every SGLANG_HICACHE_JIT_* variable parses")]
@@ -187,7 +188,10 @@ def _cache_checks() -> list[Check]:
     from .cache import BuildCache
 
     checks = []
-    root = settings.cache_root()
+    try:
+        root = settings.cache_root()
+    except HicacheJitError as exc:
+        return [_from_error("cache directory", exc)]
     cache = BuildCache(root)
     name = "cache directory"
     try:
@@ -216,16 +220,32 @@ def _cache_checks() -> list[Check]:
         checks.append(_ok("free space", f"{free >> 20} MiB free under {root}"))
 
     fstype = filesystem_type(_existing_ancestor(root))
-    lock_dir = settings.lock_dir()
-    if lock_dir is not None:
+    try:
+        lock_dir = settings.lock_dir()
+    except HicacheJitError as exc:
+        checks.append(_from_error("locks", exc))
+        lock_dir = False
+    if lock_dir:
         lock_type = filesystem_type(_existing_ancestor(lock_dir))
-        if lock_type in NETWORK_FILESYSTEMS:
+        unsafe = None
+        if lock_dir.exists():
+            try:
+                trust.check_path(lock_dir, prebuilt=False)
+            except HicacheJitError as exc:
+                unsafe = exc
+        if unsafe is not None:
+            checks.append(_problem("locks", f"[{unsafe.code}] the lock directory {unsafe.reason}",
+                                   f"give each user a lock directory of their own, e.g. "
+                                   f"{settings.LOCK_DIR}=/tmp/hicache-locks-$USER."))
+        elif lock_type in NETWORK_FILESYSTEMS:
             checks.append(_problem("locks", f"{settings.LOCK_DIR}={lock_dir} is on {lock_type}",
                                    f"point {settings.LOCK_DIR} at a node-local directory (e.g. /tmp or /run/user)."))
         elif not os.access(_existing_ancestor(lock_dir), os.W_OK | os.X_OK):
             checks.append(_problem("locks", f"{lock_dir} is not writable", f"fix {settings.LOCK_DIR}."))
         else:
             checks.append(_ok("locks", f"{lock_dir} ({lock_type or 'unknown filesystem'})"))
+    elif lock_dir is False:
+        pass
     elif fstype in NETWORK_FILESYSTEMS:
         checks.append(_problem(
             "locks", f"the cache is on {fstype} and the build locks are in it",
@@ -233,7 +253,16 @@ def _cache_checks() -> list[Check]:
     else:
         checks.append(_ok("locks", f"in the cache ({fstype or 'unknown filesystem'})"))
 
-    failures = cache.failures() if cache.layout_root.is_dir() else []
+    try:
+        bad = [f"{p.name}: {why}" for p, e, why in cache.entries() if e is None]
+        failures = cache.failures() if cache.layout_root.is_dir() else []
+    except OSError as exc:
+        checks.append(_problem("cache entries", f"{root} cannot be read: {exc}",
+                               f"fix its permissions, or set {settings.CACHE_DIR} to a directory of your own."))
+        return checks
+    if bad:
+        checks.append(_problem("cache entries", f"{len(bad)} corrupt ({'; '.join(bad)}); they are never loaded",
+                               "`sglang-hicache-jit prune` removes them (the next use builds them again)."))
     if failures:
         checks.append(_problem("failed builds", f"{len(failures)} remembered: {', '.join(map(str, failures))}",
                                "read the .failed.log next to each record, fix the cause, then "
@@ -253,6 +282,8 @@ def _layer_checks() -> list[Check]:
             try:
                 fs, path = remote.filesystem(location)
                 found = fs.exists(path)
+                if found and remote.is_local(fs):  # file://: the local layer rules apply (remote.py)
+                    trust.check_path(Path(path), prebuilt=True)
                 checks.append(_ok(name, "reachable") if found else
                               _problem(name, "does not exist", f"fix {settings.PREBUILT_DIRS}."))
             except HicacheJitError as exc:
@@ -266,11 +297,21 @@ def _layer_checks() -> list[Check]:
             checks.append(_problem(name, "is not a directory", f"fix {settings.PREBUILT_DIRS}."))
             continue
         try:
+            entries = layer.entries()
             trust.check_path(layer.root, prebuilt=True)
+            for path, entry, _ in entries:
+                layer.check_trust(path)  # the root down to the entry, and its manifest
+                if entry is not None:
+                    trust.check_path(entry.library, prebuilt=True)
         except HicacheJitError as exc:
             checks.append(_from_error(name, exc))
             continue
-        entries = layer.entries()
+        except OSError as exc:  # e.g. a layer made private to root, read by another user: skipped by the loader
+            checks.append(_problem(name, f"cannot be read by this user (uid {os.geteuid()}): "
+                                         f"{exc.strerror or exc}: {exc.filename or layer.root}",
+                                   f"make the layer readable by everyone and writable by no one: "
+                                   f"chmod -R a+rX,go-w {layer.root} (`import --into` does this)."))
+            continue
         bad = [f"{p.name}: {why}" for p, e, why in entries if e is None]
         if bad:
             checks.append(_problem(name, f"{len(bad)} corrupt entries ({'; '.join(bad)})",

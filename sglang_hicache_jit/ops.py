@@ -358,11 +358,16 @@ def _upload(idx: torch.Tensor, device: int) -> torch.Tensor:
     return idx.pin_memory().to(torch.device("cuda", device), non_blocking=True)
 
 
+# More CTAs than any GPU has SMs many times over; the kernel never launches more than it has rows for.
+MAX_BLOCK_QUOTA = 1 << 16
+
+
 def _quota(block_quota) -> int:
     if block_quota is None:
         return 0  # the kernel's default for the method it picks
-    if isinstance(block_quota, bool) or not isinstance(block_quota, int) or block_quota < 1:
-        raise ValueError(f"block_quota must be a positive int (CTAs to launch), got {block_quota!r}")
+    if isinstance(block_quota, bool) or not isinstance(block_quota, int) or not 1 <= block_quota <= MAX_BLOCK_QUOTA:
+        raise ValueError(f"block_quota must be an int from 1 to {MAX_BLOCK_QUOTA} (CTAs to launch), "
+                         f"got {block_quota!r}")
     return block_quota
 
 

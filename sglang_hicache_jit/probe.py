@@ -17,16 +17,21 @@ not_built                   build=False and the cache has no entry
 build_failed                the compile failed (reason names the log)
 lock_timeout                another process held the build lock too long
 unsafe_cache                a cache path other users can write to (refused)
+bad_setting                 an environment variable that cannot be used (named)
+cache_unwritable / no_space the cache cannot be written (read-only, full)
 kernel_failed               the library loaded but the smoke copy failed
 error                       anything unexpected (the reason has the details)
 ==========================  =====================================================
 
 The answer is cached per process, device and ``build`` flag; the row-size
-check is applied on top, so probing many row sizes costs one build.
+check is applied on top, so probing many row sizes costs one build. Answers
+whose cause may pass (a lock held too long, a full or read-only cache, a
+compile that was killed, anything unexpected) are not cached.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 from dataclasses import dataclass
 
@@ -54,6 +59,7 @@ class ProbeResult:
 
 
 _cache: dict[tuple, ProbeResult] = {}
+_TRANSIENT_CODES = {"lock_timeout", "cache_unwritable", "no_space"}
 _lock = threading.Lock()
 
 
@@ -62,13 +68,24 @@ def _result(code: str, reason: str, fix: str = "", **details) -> ProbeResult:
 
 
 def _element_size_problem(element_size) -> ProbeResult | None:
+    """None when ``element_size`` is None or a positive multiple of 4 (any
+    integer type: int, numpy or torch integers); a result for anything else
+    (floats, strings, lists, bools: never an exception)."""
     if element_size is None:
         return None
-    if isinstance(element_size, bool) or not isinstance(element_size, int) or element_size <= 0 or element_size % 4:
+    try:
+        size = None if isinstance(element_size, bool) else operator.index(element_size)
+    except TypeError:
+        size = None
+    if size is None or size <= 0 or size % 4:
+        try:
+            shown = repr(element_size)[:80]
+        except Exception:  # a hostile __repr__
+            shown = f"<{type(element_size).__name__}>"
         return _result("unsupported_element_size",
-                       f"a row of {element_size!r} bytes is not supported: rows must be a positive multiple of 4 bytes",
+                       f"a row of {shown} bytes is not supported: rows must be a positive multiple of 4 bytes",
                        "pad the KV row to a multiple of 4 bytes, or use the direct (copy-engine) path",
-                       element_size=element_size if isinstance(element_size, int) else None)
+                       element_size=size)
     return None
 
 
@@ -112,26 +129,34 @@ def _probe_device(device: int | None, build: bool) -> ProbeResult:
         cached = _cache.get(key)
         if cached is not None:
             return cached
+        transient = False
         try:
             from .loader import load_kernels
 
             library = load_kernels(device=index, build=build)
-            if not library.supports((major, minor)):
-                result = _result(
-                    "arch_unsupported",
-                    f"The library was built for {', '.join(map(str, library.archs))}; cuda:{index} is "
-                    f"compute capability {major}.{minor}.",
-                    f"add {major}.{minor} to {settings.ARCH} or unset it", library=str(library.path), **details)
-            else:
+        except HicacheJitError as exc:
+            # A failure whose cause may go away (a lock held, a full disk, a killed compile) is asked again.
+            transient = exc.code in _TRANSIENT_CODES or getattr(exc, "transient", False)
+            library, result = None, _result(exc.code, exc.reason, exc.fix, **details)
+        except Exception as exc:  # the probe must never raise; not the kernel's fault (e.g. an unreadable cache)
+            transient = True
+            library, result = None, _result("error", f"{type(exc).__name__}: {exc}", "", **details)
+        if library is not None and not library.supports((major, minor)):
+            result = _result(
+                "arch_unsupported",
+                f"The library was built for {', '.join(map(str, library.archs))}; cuda:{index} is "
+                f"compute capability {major}.{minor}.",
+                f"add {major}.{minor} to {settings.ARCH} or unset it", library=str(library.path), **details)
+        elif library is not None:
+            try:
                 method = _smoke_test(index)
                 result = _result("ok", f"The one-layer kernel is available on cuda:{index} ({major}.{minor}).",
                                  library=str(library.path), method=method, **details)
-        except HicacheJitError as exc:
-            result = _result(exc.code, exc.reason, exc.fix, **details)
-        except Exception as exc:  # the probe must never raise
-            code = "arch_unsupported" if "no kernel image" in str(exc) else "kernel_failed"
-            result = _result(code, f"{type(exc).__name__}: {exc}", "", **details)
-        _cache[key] = result
+            except Exception as exc:  # the probe must never raise
+                code = "arch_unsupported" if "no kernel image" in str(exc) else "kernel_failed"
+                result = _result(code, f"{type(exc).__name__}: {exc}", "", **details)
+        if not transient:
+            _cache[key] = result
         return result
 
 
