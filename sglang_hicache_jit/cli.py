@@ -40,6 +40,8 @@ def cmd_prewarm(args) -> int:
         try:
             result = ensure_built(archs, retry_failed=True)
             record.update(action=result.action, seconds=round(result.seconds, 3), path=str(result.path))
+        except BadSettingError:
+            raise  # the same for every target: one `error:` line from main()
         except HicacheJitError as exc:
             failed = True
             record.update(action="failed", seconds=0.0, path=exc.log_path, code=exc.code, error=str(exc))
@@ -80,6 +82,8 @@ def cmd_check(args) -> int:
             result = ensure_built(archs, build=not args.no_build)
             library = load_entry(result.entry, archs)
             record.update(code="ok", reason=f"built and loadable: {library.path}")
+        except BadSettingError:
+            raise  # the same for every target: one `error:` line from main()
         except HicacheJitError as exc:
             ok = False
             record.update(code=exc.code, reason=exc.reason, fix=exc.fix)
