@@ -9,7 +9,7 @@ import logging
 import sys
 
 from . import __version__, settings
-from .errors import BadSettingError, HicacheJitError
+from .errors import BadSettingError, CacheWriteError, HicacheJitError
 
 
 def _archs_from(text: str | None):
@@ -32,7 +32,7 @@ def cmd_prewarm(args) -> int:
     try:
         targets = _archs_from(args.arch)
     except (HicacheJitError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(expected_error(exc) or f"error: {exc}", file=sys.stderr)
         return 2
     records, failed = [], False
     for archs in targets:
@@ -40,7 +40,7 @@ def cmd_prewarm(args) -> int:
         try:
             result = ensure_built(archs, retry_failed=True)
             record.update(action=result.action, seconds=round(result.seconds, 3), path=str(result.path))
-        except BadSettingError:
+        except (BadSettingError, CacheWriteError):
             raise  # the same for every target: one `error:` line from main()
         except HicacheJitError as exc:
             failed = True
@@ -74,7 +74,7 @@ def cmd_check(args) -> int:
     try:
         targets = _archs_from(args.arch)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(expected_error(exc) or f"error: {exc}", file=sys.stderr)
         return 2
     for archs in targets:
         record = {"arch": _label(archs)}
@@ -82,7 +82,7 @@ def cmd_check(args) -> int:
             result = ensure_built(archs, build=not args.no_build)
             library = load_entry(result.entry, archs)
             record.update(code="ok", reason=f"built and loadable: {library.path}")
-        except BadSettingError:
+        except (BadSettingError, CacheWriteError):
             raise  # the same for every target: one `error:` line from main()
         except HicacheJitError as exc:
             ok = False
@@ -168,7 +168,7 @@ def cmd_demo(args) -> int:
     try:
         report = run_demo(args.tokens)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(expected_error(exc) or f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if all(r["bit_exact"] for r in report["results"]) else 1
@@ -203,10 +203,10 @@ def cmd_export(args) -> int:
     try:
         report = export_bundle(_archs_from(args.arch), args.output)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(expected_error(exc) or f"error: {exc}", file=sys.stderr)
         return 2
     except HicacheJitError as exc:
-        print(f"error [{exc.code}]: {exc}", file=sys.stderr)
+        print(expected_error(exc), file=sys.stderr)
         return 1
     _print_bundle(report, args, "exported")
     return 0
@@ -218,7 +218,7 @@ def cmd_import(args) -> int:
     try:
         report = import_bundle(args.bundle, into=args.into)
     except HicacheJitError as exc:
-        print(f"error [{exc.code}]: {exc}", file=sys.stderr)
+        print(expected_error(exc), file=sys.stderr)
         return 1
     _print_bundle(report, args, "imported")
     return 0
@@ -231,7 +231,7 @@ def cmd_prune(args) -> int:
     try:
         max_size = settings.parse_size(args.max_size) if args.max_size is not None else settings.cache_max_size()
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(expected_error(exc) or f"error: {exc}", file=sys.stderr)
         return 2
     report = prune(BuildCache(settings.cache_root()), max_size=max_size, older_than_days=args.older_than)
     if args.json:

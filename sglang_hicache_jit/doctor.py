@@ -115,7 +115,11 @@ def _available(archs: tuple, toolkit) -> str | None:
     spec = BuildSpec.for_archs(archs)
     identity = toolkit.identity if toolkit else None
     key = spec.key(identity) if identity else None
-    for layer in prebuilt_layers() + [writable_cache()]:
+    try:
+        layers = prebuilt_layers() + [writable_cache()]
+    except HicacheJitError:  # a bad cache setting: the settings check reports it
+        layers = prebuilt_layers()
+    for layer in layers:
         try:
             if layer.find(spec.arch_tag, spec.kernel, spec.abi_key, key, identity) is not None:
                 return "prebuilt layer " + str(layer.root) if layer.prebuilt else "cache"

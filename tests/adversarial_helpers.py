@@ -1,0 +1,115 @@
+"""Shared by tests/test_adversarial_*.py: acting as another user, small and read-only filesystems,
+in-process CLI runs that must end in one `error:` line."""
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from fleet_helpers import ROOT
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to act as another user or mount)")
+
+# Runs the CLI as another user. The interpreter and site-packages live under /root (mode 0700) here,
+# so the modules are imported first and the privileges dropped after, before any cache access.
+_AS_USER = """
+import os, sys
+import ctypes, json, pwd, tarfile, tempfile, shutil, gzip, zlib, decimal, hashlib  # noqa
+import torch, filelock, platformdirs  # noqa
+import sglang_hicache_jit.cli, sglang_hicache_jit.loader, sglang_hicache_jit.doctor  # noqa
+import sglang_hicache_jit.bundle, sglang_hicache_jit.prune, sglang_hicache_jit.remote  # noqa
+from sglang_hicache_jit import spec, toolchain
+spec.kernels_dir(); toolchain.torch_info()
+uid = int(sys.argv[1])
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+if sys.argv[2] == "-c":
+    exec(sys.argv[3])
+else:
+    sys.exit(sglang_hicache_jit.cli.main(sys.argv[2:]))
+"""
+
+
+def as_user(uid: int, *args: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`sglang-hicache-jit ARGS` (or `-c CODE`) run as ``uid``."""
+    return subprocess.run([sys.executable, "-c", _AS_USER, str(uid), *args], env=env, cwd="/", capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def public_tmp():
+    """A directory every user can reach (pytest's tmp_path is private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="hicache-adv-", dir="/tmp"))
+    os.chmod(path, 0o755)
+    yield path
+    for dirpath, dirs, _ in os.walk(path):
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                os.chmod(os.path.join(dirpath, d), 0o755)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def chown_tree(path: Path, uid: int) -> None:
+    for dirpath, dirs, files in os.walk(path):
+        os.chown(dirpath, uid, uid)
+        for name in files:
+            os.lchown(os.path.join(dirpath, name), uid, uid)
+
+
+@contextlib.contextmanager
+def small_fs(path: Path, size: str = "64k"):
+    """A tmpfs of ``size`` mounted at ``path`` (root only; skips where mounting is not allowed)."""
+    path.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def remount_read_only(path: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True, capture_output=True)
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    """The CLI's main() in this process: (exit code, stdout, stderr). An exception escaping
+    main() (a traceback for the user) fails the test."""
+    from sglang_hicache_jit.cli import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_error_line(code: int, err: str, *needles: str) -> None:
+    """Non-zero exit, no traceback, an `error: ...` line naming each of ``needles``."""
+    assert code != 0, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def cli_env(cache: Path, **extra) -> dict:
+    from fleet_helpers import env_for
+
+    env = env_for(cache, **extra)
+    for name in ("SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "SGLANG_HICACHE_JIT_BUILD_JOBS", "TORCH_CUDA_ARCH_LIST",
+                 "SGLANG_HICACHE_JIT_TRUSTED_OWNERS"):
+        if name not in extra:
+            env.pop(name, None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+__all__ = ["NOBODY", "ROOT", "as_user", "assert_one_error_line", "chown_tree", "cli_env", "needs_root",
+           "public_tmp", "remount_read_only", "run_main", "small_fs"]

@@ -1,0 +1,184 @@
+"""Adversarial: data loss and corruption of issue 9 (prune, clean, bad records, read-only caches)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from adversarial_helpers import (assert_one_error_line, needs_root, remount_read_only, run_main,  # noqa: F401
+                                 small_fs)
+from fleet_helpers import entry_dirs, fake_entry, snapshot
+from sglang_hicache_jit.arch import parse_arch_list
+from sglang_hicache_jit.cache import BuildCache
+from sglang_hicache_jit import errors
+from sglang_hicache_jit.errors import BuildFailedError, NotBuiltError
+from sglang_hicache_jit.loader import ensure_built
+from sglang_hicache_jit.prune import prune
+
+ARCHS = parse_arch_list("9.0")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("SGLANG_HICACHE_JIT_PREBUILT_DIRS", "SGLANG_HICACHE_JIT_LOCK_DIR", "SGLANG_HICACHE_JIT_ARCH",
+                 "SGLANG_HICACHE_JIT_CACHE_MAX_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    return BuildCache(tmp_path / "cache")
+
+
+def _user_files(root):
+    for rel in ("v2/thesis.txt", "v10/photos/cat.jpg", "v3/.locks/not-a-lock"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(rel)
+
+
+def test_prune_and_clean_never_delete_folders_they_did_not_make(cache, capsys):
+    fake_entry(cache)
+    _user_files(cache.root)
+    before = {p: (cache.root / p).read_text() for p in ("v2/thesis.txt", "v10/photos/cat.jpg", "v3/.locks/not-a-lock")}
+    code, out, err = run_main(capsys, "prune")
+    assert code == 0, err
+    code, out, err = run_main(capsys, "clean")
+    assert code == 0, err
+    assert {p: (cache.root / p).read_text() for p in before} == before
+    assert entry_dirs(cache.root) == []  # its own entries did go
+
+
+def test_an_unrelated_v1_directory_is_neither_written_nor_cleaned(cache, capsys):
+    (cache.layout_root / "notes").mkdir(parents=True)
+    (cache.layout_root / "notes" / "todo.txt").write_text("mine")
+    before = snapshot(cache.root)
+    code, out, err = run_main(capsys, "clean")
+    assert code == 0 and snapshot(cache.root) == before
+    with pytest.raises(errors.BadSettingError, match="not made by sglang-hicache-jit"):
+        cache.ensure_root()
+    assert snapshot(cache.root) == before
+
+
+@pytest.mark.parametrize("days", ["-1", "0", "nan", "inf", "-inf"])
+def test_older_than_must_be_positive_and_finite(cache, capsys, days):
+    fake_entry(cache)
+    code, out, err = run_main(capsys, "prune", f"--older-than={days}")
+    assert_one_error_line(code, err, "--older-than")
+    assert len(entry_dirs(cache.root)) == 1, "an entry was removed"
+
+
+@pytest.mark.parametrize("components", ["x", {"archs": "9.0"}, {"archs": [9.0]}, None, {"archs": ["9.0"],
+                                                                                        "cuda_flags": "-O3"}])
+def test_a_manifest_of_the_wrong_shape_is_a_corrupt_entry_everywhere(cache, capsys, monkeypatch, components):
+    entry = fake_entry(cache)
+    manifest = json.loads((entry.path / "manifest.json").read_text())
+    manifest["components"] = components
+    (entry.path / "manifest.json").write_text(json.dumps(manifest))
+    code, out, err = run_main(capsys, "info")
+    assert code == 0 and "INVALID" in out, out + err
+    code, out, err = run_main(capsys, "info", "--json")
+    assert code == 0 and json.loads(out)["entries"][0]["valid"] is False
+    code, out, err = run_main(capsys, "doctor", "--arch", "9.0")
+    assert "Traceback" not in err and "cache entries" in out and "1 corrupt" in out, out
+    code, out, err = run_main(capsys, "prune")
+    assert code == 0 and "corrupt" in out and entry_dirs(cache.root) == [], out + err
+
+
+@pytest.mark.parametrize("record", [{"reason": 5}, {"reason": None}, {"reason": ""}, {"reason": ["x"]},
+                                    {"reason": "x", "time": "yesterday"}, {"reason": "x", "log": "../../etc/passwd"},
+                                    [1, 2], "just a string"])
+def test_a_malformed_failure_record_does_not_break_loading(cache, record):
+    from sglang_hicache_jit.spec import BuildSpec
+    from sglang_hicache_jit.toolchain import find_toolkit
+
+    toolkit = find_toolkit()
+    if toolkit is None:
+        pytest.skip("needs a CUDA toolkit (the record is keyed by it)")
+    spec = BuildSpec.for_archs(ARCHS)
+    key = spec.key(toolkit.identity)
+    cache.record_failure(spec.arch_tag, spec.kernel, key, "nvcc said no", "log")
+    path = cache.failure_path(spec.arch_tag, spec.kernel, key)
+    empty_reason = record == {"reason": ""}
+    if isinstance(record, dict):
+        record = dict(json.loads(path.read_text()), **record)
+    path.write_text(json.dumps(record))
+    if empty_reason:  # well-formed, just empty: still a remembered failure (was an IndexError)
+        with pytest.raises(BuildFailedError, match="no reason recorded"):
+            ensure_built(ARCHS, build=False)
+        return
+    with pytest.raises(NotBuiltError):  # the malformed record is ignored, not an AttributeError
+        ensure_built(ARCHS, build=False)
+
+
+def test_clean_skips_an_entry_being_built_and_a_live_builders_staging(cache, capsys):
+    """clean racing a build: the builder holds the entry's lock and owns a staging directory."""
+    entry = fake_entry(cache)
+    kernel, key = entry.path.name.rsplit("-", 1)
+    lock = cache.lock_path("sm90", kernel, key)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import filelock, sys\n"
+                               f"l = filelock.FileLock({str(lock)!r}); l.acquire(); print('held', flush=True)\n"
+                               "sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        staging = cache.layout_root / ".staging" / f"{entry.path.name}.{socket.gethostname()}.{holder.pid}.abcd"
+        (staging / "entry").mkdir(parents=True)
+        import_staging = cache.layout_root / ".staging" / f"import.{socket.gethostname()}.{holder.pid}.beef"
+        import_staging.mkdir()
+        code, out, err = run_main(capsys, "clean")
+        assert code == 0, err
+        assert entry.path.is_dir() and staging.is_dir() and import_staging.is_dir()
+        assert f"kept    {entry.path}" in out
+    finally:
+        holder.communicate("", timeout=30)
+    code, out, err = run_main(capsys, "clean")
+    assert code == 0 and not entry.path.exists() and not staging.exists() and not import_staging.exists()
+
+
+def test_publish_survives_its_arch_directory_being_removed(cache):
+    """clean removes empty arch directories; an importer or builder publishing into one must not fail."""
+    import shutil
+
+    entry = fake_entry(cache, toolkit="cuda-13.0-nvccX")
+    staged = cache.new_staging_dir(entry.path.name) / "entry"
+    shutil.copytree(entry.path, staged)
+    shutil.rmtree(entry.path.parent)  # the arch directory vanished (a clean in between)
+    real_private_dir = __import__("sglang_hicache_jit.cache", fromlist=["_private_dir"])._private_dir
+    calls = []
+
+    def racing_private_dir(path, mode=0o700):  # the directory goes again right after it is made, once
+        result = real_private_dir(path, mode)
+        if path == entry.path.parent and not calls:
+            calls.append(path)
+            path.rmdir()
+        return result
+
+    import sglang_hicache_jit.cache as cache_module
+
+    old = cache_module._private_dir
+    cache_module._private_dir = racing_private_dir
+    try:
+        published = cache.publish(staged, "sm90", *entry.path.name.rsplit("-", 1))
+    finally:
+        cache_module._private_dir = old
+    assert calls and published.path == entry.path and entry.path.is_dir()
+
+
+# ---- read-only and full disks (root: needs a tmpfs) --------------------------------------------------
+
+@needs_root
+def test_read_only_cache_prewarm_prune_clean_say_so(tmp_path, monkeypatch, capsys):
+    mount = tmp_path / "ro"
+    with small_fs(mount, "4m"):
+        cache = BuildCache(mount / "cache")
+        fake_entry(cache, toolkit="cuda-13.0-nvccOLD", torch="0.0")  # stale: prune wants to remove it
+        cache.record_failure("sm90", "hicache_transfer", "f" * 16, "nvcc said no", "log")
+        remount_read_only(mount)
+        before = snapshot(cache.root)
+        monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(cache.root))
+        for args in (["prewarm", "--arch", "8.0"], ["prune"], ["clean"], ["clean", "--failed"]):
+            code, out, err = run_main(capsys, *args)
+            assert_one_error_line(code, err, "cache_unwritable")
+            assert "removed 1" not in out and "removed 2" not in out, (args, out)
+        assert snapshot(cache.root) == before

@@ -1,0 +1,238 @@
+"""Adversarial: the security holes of issue 9. Each test tries the attack and checks it fails."""
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+
+import pytest
+
+from adversarial_helpers import NOBODY, as_user, chown_tree, cli_env, needs_root, public_tmp  # noqa: F401
+from fleet_helpers import entry_dirs, fake_entry, snapshot
+from sglang_hicache_jit import loader
+from sglang_hicache_jit.arch import parse_arch_list
+from sglang_hicache_jit.bundle import export_bundle, import_bundle
+from sglang_hicache_jit.cache import BuildCache
+from sglang_hicache_jit.errors import BundleError, HicacheJitError, NotBuiltError, UnsafeCacheError
+from sglang_hicache_jit.loader import ensure_built
+from sglang_hicache_jit.spec import BuildSpec
+
+ARCHS = parse_arch_list("9.0")
+
+
+# ---- 1. remote (file://) layers get the local trust rules -------------------------------------------
+
+@pytest.mark.parametrize("bits", [0o002, 0o020])
+def test_file_url_layer_writable_by_others_is_not_copied(tmp_path, monkeypatch, bits):
+    layer, cache = tmp_path / "layer", tmp_path / "cache"
+    entry = fake_entry(BuildCache(layer))
+    os.chmod(entry.path, 0o755 | bits)  # another user could swap the library in
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(cache))
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_PREBUILT_DIRS", f"file://{layer}")
+    with pytest.raises(UnsafeCacheError) as info:
+        ensure_built(ARCHS, build=False)
+    assert info.value.code == "unsafe_cache" and str(entry.path) in info.value.reason
+    assert entry_dirs(cache) == [], "the unsafe entry was copied into the private cache"
+
+
+@needs_root
+def test_file_url_layer_owned_by_another_user_is_not_copied(tmp_path, monkeypatch):
+    layer, cache = tmp_path / "layer", tmp_path / "cache"
+    fake_entry(BuildCache(layer))
+    chown_tree(layer, NOBODY)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(cache))
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_PREBUILT_DIRS", f"file://{layer}")
+    with pytest.raises(UnsafeCacheError, match="neither root nor this user"):
+        ensure_built(ARCHS, build=False)
+    assert entry_dirs(cache) == []
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_TRUSTED_OWNERS", "nobody")  # the operator vouches for that user
+    assert ensure_built(ARCHS, build=False).action == "fetched"
+
+
+def test_a_safe_file_url_layer_is_still_copied(tmp_path, monkeypatch):
+    layer, cache = tmp_path / "layer", tmp_path / "cache"
+    fake_entry(BuildCache(layer))
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(cache))
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_PREBUILT_DIRS", f"file://{layer}")
+    assert ensure_built(ARCHS, build=False).action == "fetched"
+
+
+# ---- 2. the lock directory -----------------------------------------------------------------------------
+
+def _lock_paths(cache: BuildCache):
+    spec = BuildSpec.for_archs(ARCHS)
+    key = spec.key("cuda-13.0-nvccL")
+    return spec, key, f"{spec.arch_tag}-{spec.kernel}-{key}"
+
+
+@needs_root
+def test_planted_owner_link_in_another_users_lock_dir_is_never_written_through(tmp_path, monkeypatch):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    locks = tmp_path / "locks"
+    locks.mkdir(mode=0o755)
+    cache = BuildCache(tmp_path / "cache")
+    spec, key, name = _lock_paths(cache)
+    (locks / f"{name}.owner").symlink_to(victim)
+    os.lchown(locks / f"{name}.owner", NOBODY, NOBODY)
+    os.chown(locks, NOBODY, NOBODY)  # another user made the shared lock directory first
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_LOCK_DIR", str(locks))
+    with pytest.raises(UnsafeCacheError, match="lock directory") as info:
+        with loader._build_lock(cache, spec, key):
+            pass
+    assert "SGLANG_HICACHE_JIT_LOCK_DIR" in info.value.fix
+    assert victim.read_text() == "precious\n"
+
+
+def test_holder_file_replaces_a_planted_link_instead_of_following_it(tmp_path, monkeypatch):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    locks = tmp_path / "locks"
+    locks.mkdir(mode=0o700)
+    cache = BuildCache(tmp_path / "cache")
+    spec, key, name = _lock_paths(cache)
+    (locks / f"{name}.owner").symlink_to(victim)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_LOCK_DIR", str(locks))
+    with loader._build_lock(cache, spec, key):
+        owner = locks / f"{name}.owner"
+        assert not owner.is_symlink() and json.loads(owner.read_text())["pid"] == os.getpid()
+    assert victim.read_text() == "precious\n"
+
+
+@needs_root
+def test_a_second_user_sharing_a_lock_dir_gets_an_error_line(public_tmp):
+    """Root made /tmp-like shared locks first; user nobody prunes its own cache with them."""
+    locks = public_tmp / "locks"
+    locks.mkdir()
+    os.chmod(locks, 0o1777)
+    cache = public_tmp / "cache"
+    fake_entry(BuildCache(cache))
+    chown_tree(cache, NOBODY)
+    out = as_user(NOBODY, "prune", "--max-size", "0", env=cli_env(cache, SGLANG_HICACHE_JIT_LOCK_DIR=locks))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "error: [unsafe_cache] The lock directory" in out.stderr and "hicache-locks-$USER" in out.stderr
+    assert len(entry_dirs(cache)) == 1  # nothing removed without its lock
+
+
+# ---- 3. the manifest's fields --------------------------------------------------------------------------
+
+def _rewrite_manifest(entry_path, **fields):
+    manifest = json.loads((entry_path / "manifest.json").read_text())
+    manifest.update(fields)
+    (entry_path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("log_name", ["../../../secret", "/etc/hostname", "sub/build.log", ".hidden", 7])
+def test_a_log_outside_the_entry_makes_the_entry_corrupt_and_is_never_exported(tmp_path, monkeypatch, log_name):
+    secret = tmp_path / "secret"
+    secret.write_text("API_KEY=hunter2\n")
+    cache = BuildCache(tmp_path / "a" / "b" / "cache")
+    entry = fake_entry(cache)
+    _rewrite_manifest(entry.path, log=log_name if log_name != "../../../secret" else os.path.relpath(secret, entry.path))
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(cache.root))
+
+    def no_compiler(*a, **k):
+        raise NotBuiltError("no compiler in this test", "-")
+
+    monkeypatch.setattr(loader, "check_build_tools", no_compiler)
+    out = tmp_path / "b.tar.gz"
+    with pytest.raises(HicacheJitError):
+        export_bundle([ARCHS], str(out))
+    assert not out.exists()
+
+
+def _bundle_with_manifest(tmp_path, monkeypatch, **fields):
+    """A bundle of one fake entry whose manifest has ``fields`` changed, every checksum made consistent."""
+    source = tmp_path / "source"
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(source))
+    fake_entry(BuildCache(source))
+    bundle = tmp_path / "b.tar.gz"
+    export_bundle([ARCHS], str(bundle))
+    with tarfile.open(bundle, "r:gz") as tar:
+        members = [(m, tar.extractfile(m).read() if m.isreg() else b"") for m in tar.getmembers()]
+    index_pos = next(i for i, (m, _) in enumerate(members) if m.name == "bundle.json")
+    index = json.loads(members[index_pos][1])
+    for i, (m, data) in enumerate(members):
+        if m.name.endswith("/manifest.json"):
+            manifest = dict(json.loads(data), **fields)
+            data = json.dumps(manifest).encode()
+            members[i] = (m, data)
+            index["entries"][0]["files"]["manifest.json"] = hashlib.sha256(data).hexdigest()
+    members[index_pos] = (members[index_pos][0], json.dumps(index).encode())
+    out = tmp_path / "tampered.tar.gz"
+    with tarfile.open(out, "w:gz") as tar:
+        for info, data in members:
+            info.size = len(data) if info.isreg() else 0
+            tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
+    target = tmp_path / "target"
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(target))
+    return out, target
+
+
+@pytest.mark.parametrize("fields", [{"log": "/etc/shadow"}, {"log": "../../x"}, {"components": "x"},
+                                    {"components": {"archs": "9.0"}}, {"size": "4096"}, {"sha256": 5}])
+def test_import_refuses_a_manifest_with_bad_fields(tmp_path, monkeypatch, fields):
+    bundle, target = _bundle_with_manifest(tmp_path, monkeypatch, **fields)
+    with pytest.raises(BundleError) as info:
+        import_bundle(str(bundle))
+    assert info.value.code == "bundle_corrupt", info.value
+    assert snapshot(target) == {}
+
+
+def test_fetch_skips_a_remote_manifest_with_a_log_outside_the_entry(tmp_path, monkeypatch):
+    pytest.importorskip("fsspec")
+    layer, cache = tmp_path / "layer", tmp_path / "cache"
+    entry = fake_entry(BuildCache(layer))
+    _rewrite_manifest(entry.path, log="../../../../../etc/hostname")
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(cache))
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_PREBUILT_DIRS", f"file://{layer}")
+    with pytest.raises(NotBuiltError):
+        ensure_built(ARCHS, build=False)
+    assert entry_dirs(cache) == []
+
+
+# ---- 4. the export's temporary file ----------------------------------------------------------------
+
+def test_export_never_writes_through_a_planted_temp_link(tmp_path, monkeypatch):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    fake_entry(BuildCache(tmp_path / "cache"))
+    out = tmp_path / "out" / "b.tar.gz"
+    out.parent.mkdir()
+    # The old name was predictable: .<name>.<pid>.tmp beside the output.
+    (out.parent / f".{out.name}.{os.getpid()}.tmp").symlink_to(victim)
+    export_bundle([ARCHS], str(out))
+    assert victim.read_text() == "precious\n"
+    assert out.is_file() and not out.is_symlink() and tarfile.is_tarfile(out)
+
+
+# ---- prebuilt layers owned by someone else ---------------------------------------------------------
+
+@needs_root
+def test_layer_owned_by_another_unprivileged_user_is_refused_and_doctor_says_so(tmp_path, monkeypatch):
+    from sglang_hicache_jit.doctor import run_checks
+
+    layer = tmp_path / "layer"
+    fake_entry(BuildCache(layer))
+    chown_tree(layer, NOBODY)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_PREBUILT_DIRS", str(layer))
+    with pytest.raises(UnsafeCacheError, match="neither root nor this user"):
+        ensure_built(ARCHS, build=False)
+    check = next(c for c in run_checks("9.0") if c.name == f"prebuilt {layer}")
+    assert check.status == "problem" and "unsafe_cache" in check.detail and "TRUSTED_OWNERS" in check.fix
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_TRUSTED_OWNERS", str(NOBODY))
+    assert ensure_built(ARCHS, build=False).action == "prebuilt"
+    assert next(c for c in run_checks("9.0") if c.name == f"prebuilt {layer}").status == "ok"
+
+
+def test_group_writable_layer_is_refused(tmp_path, monkeypatch):
+    layer = tmp_path / "layer"
+    entry = fake_entry(BuildCache(layer))
+    os.chmod(entry.path.parent, 0o775)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_PREBUILT_DIRS", str(layer))
+    with pytest.raises(UnsafeCacheError, match="writable by its group"):
+        ensure_built(ARCHS, build=False)

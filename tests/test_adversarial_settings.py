@@ -1,0 +1,198 @@
+"""Adversarial: bad settings and inputs through the CLI. Each must end in one `error:` line that names
+the setting (or input) and the fix, with a non-zero exit and no traceback."""
+
+import os
+
+import pytest
+
+from adversarial_helpers import assert_one_error_line, cli_env, needs_root, run_main, small_fs  # noqa: F401
+from fleet_helpers import cli, entry_dirs, fake_entry, snapshot
+from sglang_hicache_jit import probe, settings
+from sglang_hicache_jit.arch import Arch, parse_arch_list, resolve_archs
+from sglang_hicache_jit.bundle import export_bundle
+from sglang_hicache_jit.cache import BuildCache
+from sglang_hicache_jit import errors
+
+ALL = ["SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "SGLANG_HICACHE_JIT_BUILD_JOBS", "SGLANG_HICACHE_JIT_CACHE_MAX_SIZE",
+       "SGLANG_HICACHE_JIT_ARCH", "TORCH_CUDA_ARCH_LIST", "SGLANG_HICACHE_JIT_LOCK_DIR",
+       "SGLANG_HICACHE_JIT_PREBUILT_DIRS", "SGLANG_HICACHE_JIT_TRUSTED_OWNERS", "SGLANG_HICACHE_JIT_METHOD"]
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    for name in ALL:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    return monkeypatch
+
+
+@pytest.mark.parametrize("variable,value", [
+    ("SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "x"), ("SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "-1"),
+    ("SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "0"), ("SGLANG_HICACHE_JIT_BUILD_JOBS", "x"),
+    ("SGLANG_HICACHE_JIT_BUILD_JOBS", "0"), ("SGLANG_HICACHE_JIT_BUILD_JOBS", "-1"),
+    ("SGLANG_HICACHE_JIT_BUILD_JOBS", "1.5"), ("SGLANG_HICACHE_JIT_BUILD_JOBS", "99999999999999999999"),
+    ("SGLANG_HICACHE_JIT_ARCH", ";".join(f"{major}.{minor}" for major in range(1, 80) for minor in (0,))),
+    ("SGLANG_HICACHE_JIT_ARCH", "Hoppper"), ("TORCH_CUDA_ARCH_LIST", "9.x"),
+])
+def test_a_bad_setting_stops_prewarm_with_one_line(env, tmp_path, capsys, variable, value):
+    env.setenv(variable, value)
+    args = ("prewarm",) if "ARCH" in variable else ("prewarm", "--arch", "9.0")
+    code, out, err = run_main(capsys, *args)
+    assert_one_error_line(code, err, variable, "fix:")
+    assert code == 2
+    staging = tmp_path / "cache" / "v1" / ".staging"
+    assert not staging.exists() or not any(staging.iterdir()), "a staging directory leaked"
+
+
+def test_bad_build_jobs_leaks_no_staging_directory_even_deep_in_a_build(env, tmp_path, monkeypatch):
+    """The old code read BUILD_JOBS after making the staging directory, and left it behind."""
+    from sglang_hicache_jit import build as build_module
+    from sglang_hicache_jit import loader
+    from sglang_hicache_jit.toolchain import find_toolkit
+
+    if find_toolkit() is None:
+        pytest.skip("needs a CUDA toolkit")
+    calls = []
+    real = build_module.settings.build_jobs
+
+    def bad_on_second_read():  # valid when ensure_built checks it, broken when the build reads it
+        calls.append(1)
+        if len(calls) > 1:
+            raise errors.BadSettingError("SGLANG_HICACHE_JIT_BUILD_JOBS changed", "-")
+        return real()
+
+    monkeypatch.setattr(settings, "build_jobs", bad_on_second_read)
+    with pytest.raises(errors.BadSettingError):
+        loader.ensure_built(parse_arch_list("9.0"))
+    staging = tmp_path / "cache" / "v1" / ".staging"
+    assert not staging.exists() or not any(staging.iterdir())
+
+
+@pytest.mark.parametrize("args", [("prune",), ("doctor", "--arch", "9.0"), ("import", "BUNDLE")])
+def test_a_huge_cache_max_size(env, tmp_path, capsys, args):
+    env.setenv("SGLANG_HICACHE_JIT_CACHE_MAX_SIZE", "9" * 400 + "T")
+    args = tuple(str(tmp_path / "b.tar.gz") if a == "BUNDLE" else a for a in args)
+    if "import" in args:
+        env.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "source"))
+        env.delenv("SGLANG_HICACHE_JIT_CACHE_MAX_SIZE")
+        fake_entry(BuildCache(tmp_path / "source"))
+        export_bundle([parse_arch_list("9.0")], args[1])
+        env.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
+        env.setenv("SGLANG_HICACHE_JIT_CACHE_MAX_SIZE", "9" * 400 + "T")
+    code, out, err = run_main(capsys, *args)
+    assert "Traceback" not in err and "OverflowError" not in err + out
+    if args[0] == "prune":
+        assert_one_error_line(code, err, "SGLANG_HICACHE_JIT_CACHE_MAX_SIZE")
+    elif args[0] == "doctor":
+        assert code == 1 and "SGLANG_HICACHE_JIT_CACHE_MAX_SIZE" in out
+    else:  # the import happened; the cap is housekeeping and only logged
+        assert code == 0 and len(entry_dirs(tmp_path / "cache")) == 1
+
+
+@pytest.mark.parametrize("variable", ["SGLANG_HICACHE_JIT_CACHE_DIR", "SGLANG_HICACHE_JIT_LOCK_DIR"])
+@pytest.mark.parametrize("where", ["file", "below_a_file", "proc"])
+def test_cache_or_lock_dir_on_a_file_or_in_proc(env, tmp_path, capsys, variable, where):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    value = {"file": a_file, "below_a_file": a_file / "sub", "proc": "/proc/self/hicache"}[where]
+    env.setenv(variable, str(value))
+    commands = [("prewarm", "--arch", "9.0"), ("info",), ("prune",), ("clean",)]
+    if variable == "SGLANG_HICACHE_JIT_LOCK_DIR":
+        commands = commands[:1]
+    for args in commands:
+        code, out, err = run_main(capsys, *args)
+        assert_one_error_line(code, err, variable)
+    code, out, err = run_main(capsys, "doctor", "--arch", "9.0")
+    assert code == 1 and variable in out and "Traceback" not in err
+    assert a_file.read_text() == "not a directory"
+
+
+def test_into_a_file_is_refused_with_one_line(env, tmp_path, capsys):
+    env.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "source"))
+    fake_entry(BuildCache(tmp_path / "source"))
+    export_bundle([parse_arch_list("9.0")], str(tmp_path / "b.tar.gz"))
+    a_file = tmp_path / "layer"
+    a_file.write_text("x")
+    code, out, err = run_main(capsys, "import", str(tmp_path / "b.tar.gz"), "--into", str(a_file))
+    assert_one_error_line(code, err, "--into")
+    assert a_file.read_text() == "x"
+
+
+def test_a_refused_into_leaves_no_directory_behind(env, tmp_path, capsys):
+    env.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "source"))
+    fake_entry(BuildCache(tmp_path / "source"))
+    export_bundle([parse_arch_list("9.0")], str(tmp_path / "b.tar.gz"))
+    layer = tmp_path / "layer"
+    layer.mkdir()
+    os.chmod(layer, 0o777)  # others could write there: refused
+    code, out, err = run_main(capsys, "import", str(tmp_path / "b.tar.gz"), "--into", str(layer))
+    assert_one_error_line(code, err, "unsafe_cache")
+    assert list(layer.iterdir()) == [], "a refused import left an empty v1/"
+
+
+@needs_root
+@pytest.mark.parametrize("into", [False, True])
+def test_a_full_disk_during_import(env, tmp_path, capsys, into):
+    env.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "source"))
+    fake_entry(BuildCache(tmp_path / "source"), payload=os.urandom(256 << 10))  # 256 KB does not fit in 64 KB
+    export_bundle([parse_arch_list("9.0")], str(tmp_path / "b.tar.gz"))
+    with small_fs(tmp_path / "small", "64k") as mount:
+        target = mount / "target"
+        env.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(target))
+        args = ["import", str(tmp_path / "b.tar.gz")] + (["--into", str(target)] if into else [])
+        code, out, err = run_main(capsys, *args)
+        assert_one_error_line(code, err, "no_space")
+        assert snapshot(mount) == {}, "a failed import left files behind"
+
+
+def test_torch_named_archs_are_accepted(env):
+    assert parse_arch_list("Hopper") == (Arch(9, 0, "", True),)
+    assert parse_arch_list("ampere;hopper") == (Arch(8, 0), Arch(8, 6, "", True), Arch(9, 0, "", True))
+    env.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")
+    assert resolve_archs() == ((Arch(9, 0, "", True),), "TORCH_CUDA_ARCH_LIST")
+
+
+def test_probe_reports_a_bad_arch_setting_as_bad_setting(env, monkeypatch):
+    """Configuration mistakes are bad_setting (naming the variable), never kernel_failed ("report it")."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for variable, value in (("TORCH_CUDA_ARCH_LIST", "Hoppper"), ("SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "nan")):
+        env.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+        env.setenv(variable, value)
+        probe.clear_cache()
+        result = probe.probe(build=False)
+        assert result.code == "bad_setting" and variable in result.reason, result
+        env.delenv(variable)
+    probe.clear_cache()
+
+
+@pytest.mark.parametrize("element_size", [[576], 576.0, "576", b"576", None.__class__, {"a": 1}, -4, 0, 6, True,
+                                          2 ** 70 + 2])
+def test_probe_never_raises_on_any_element_size(env, element_size):
+    result = probe.probe(element_size, build=False)
+    assert result.code == "unsupported_element_size" and not result.available, result
+
+
+def test_probe_accepts_numpy_integers(env):
+    np = pytest.importorskip("numpy")
+    assert probe.probe(np.int64(576), build=False).code != "unsupported_element_size"
+
+
+def test_block_quota_has_an_upper_bound():
+    from sglang_hicache_jit import ops
+
+    assert ops._quota(8) == 8
+    for bad in (0, -1, 2 ** 40, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="block_quota"):
+            ops._quota(bad)
+
+
+def test_the_real_cli_prints_one_line_for_bad_settings(tmp_path):
+    """One real subprocess, so the entry point itself (not just main()) is covered."""
+    out = cli("prewarm", "--arch", "9.0", env=cli_env(tmp_path / "c", SGLANG_HICACHE_JIT_BUILD_JOBS="1.5"),
+              timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().startswith("error: [bad_setting] SGLANG_HICACHE_JIT_BUILD_JOBS='1.5'"), out.stderr
