@@ -1,4 +1,4 @@
-"""Adversarial: data loss and corruption of issue 9 (prune, clean, bad records, read-only caches)."""
+"""Adversarial: data loss and corruption (prune, clean, bad records, read-only caches)."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Adversarial: faults of issue 9 (killed builders, transient failures, bundle bombs), reproducible
+"""Adversarial: faults (killed builders, transient failures, bundle bombs), reproducible
 bundles, and the container recipe tried as an unprivileged user."""
 
 import io

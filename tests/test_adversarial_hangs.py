@@ -1,4 +1,4 @@
-"""Adversarial: the hangs of issue 9. Every command runs in a subprocess with a timeout: a hang fails
+"""Adversarial: hangs. Every command runs in a subprocess with a timeout: a hang fails
 the test instead of wedging the suite."""
 
 import os

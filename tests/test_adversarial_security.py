@@ -1,4 +1,4 @@
-"""Adversarial: the security holes of issue 9. Each test tries the attack and checks it fails."""
+"""Adversarial: security holes. Each test tries the attack and checks it fails."""
 
 import hashlib
 import io
