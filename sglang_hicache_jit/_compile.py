@@ -11,14 +11,24 @@ import json
 import os
 import signal
 import sys
+import time
+
+
+def _stop_build(*_) -> None:
+    """SIGTERM to our process group: ninja stops and passes the signal on to each
+    job's own process group (nvcc, cicc); then SIGKILL for whatever is left."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(0, signal.SIGTERM)
+    time.sleep(1.0)
+    os.killpg(0, signal.SIGKILL)
 
 
 def _die_with_parent(parent: int) -> None:
-    """build.py started us as the leader of a new process group (ninja, nvcc and
-    cicc join it). When the builder dies, even by SIGKILL, the kernel sends us
-    SIGTERM (PR_SET_PDEATHSIG) and we kill the whole group, so no compiler is
-    left running for nobody."""
-    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    """build.py started us as the leader of a new process group (ninja joins it,
+    and runs each compiler job in a group of its own). When the builder dies,
+    even by SIGKILL, the kernel sends us SIGTERM (PR_SET_PDEATHSIG) and we stop
+    the whole build, so no compiler is left running for nobody."""
+    signal.signal(signal.SIGTERM, _stop_build)
     try:
         import ctypes
 
@@ -27,7 +37,7 @@ def _die_with_parent(parent: int) -> None:
     except (OSError, AttributeError):  # not Linux: the next builder reaps what is left (prune.py)
         pass
     if os.getppid() != parent:  # the builder died before the request above
-        os.killpg(0, signal.SIGKILL)
+        _stop_build()
 
 
 def main(request_path: str) -> None:

@@ -5,11 +5,12 @@ The compile runs ``_compile.py`` in a child process (torch.utils.cpp_extension
 directory. The sources are copied there first, so the bytes compiled are the
 bytes the key was computed from.
 
-The child runs in its own process group (ninja, nvcc and cicc join it) and
-kills that group when this process dies, even by SIGKILL (_compile.py asks
-the kernel for a signal on its parent's death). The group is also recorded in
-the staging directory (``builder.json``) so that the next builder of the entry
-can kill what is left and remove the directory (prune.reap_stale_staging).
+The child runs in its own process group and stops the whole build (ninja
+and, through ninja, every nvcc and cicc) when this process dies, even by
+SIGKILL: _compile.py asks the kernel for a signal on its parent's death. As a
+second guard, the next builder of the entry kills any process still working
+inside a dead builder's staging directory and removes the directory
+(prune.reap_stale_staging).
 
 A failure is classified: a compiler that exited with an error is final until
 the sources, flags or toolkit change (``compile_error``); a compile killed by
@@ -60,11 +61,13 @@ def _run_compiler(args: list[str], log, env: dict, cwd: Path) -> int:
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
                             start_new_session=True)
     try:
-        from .prune import BUILDER_FILE
-
-        (cwd / BUILDER_FILE).write_text(json.dumps({"pgid": proc.pid, "pid": os.getpid()}))
         return proc.wait()
     except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # the child's handler stops ninja and its jobs
+            proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except OSError:

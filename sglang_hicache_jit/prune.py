@@ -35,7 +35,6 @@ Prebuilt layers are never pruned.
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
@@ -48,17 +47,14 @@ from pathlib import Path
 
 import filelock
 
-from . import safeio, settings
-from .cache import (ARCH_TAG, ENTRY_NAME, FAILURE_NAME, BuildCache, CorruptEntry, acceptable, entry_size, is_marked,
-                    last_used, verify_entry)
+from . import settings
+from .cache import ARCH_TAG, BuildCache, CorruptEntry, acceptable, entry_size, is_marked, last_used, verify_entry
 from .errors import BadSettingError, write_error
 from .spec import KERNEL, LAYOUT_VERSION
 
 log = logging.getLogger("sglang_hicache_jit")
 
 _DAY = 86400.0
-# What build.py writes into a staging directory: the compile's process group.
-BUILDER_FILE = "builder.json"
 
 
 @dataclass
@@ -134,35 +130,24 @@ def _remove_tree(path: Path) -> bool:
 
 
 def kill_stale_build(staging: Path) -> None:
-    """Kills what is left of a dead builder's compile (ninja, nvcc, cicc): the
-    processes of the process group recorded in ``staging`` whose working
-    directory is inside ``staging``. Both must hold, so a reused process group
-    number never takes an unrelated process down. Linux only (/proc); a no-op
-    elsewhere."""
-    try:
-        record = safeio.read_regular(staging / BUILDER_FILE, 4096)
-        import json
-
-        pgid = json.loads(record)["pgid"]
-        if not isinstance(pgid, int) or isinstance(pgid, bool) or pgid <= 1:
-            return
-    except (OSError, ValueError, KeyError, TypeError):
-        return
+    """Kills what is left of a dead builder's compile (ninja, nvcc, cicc): every
+    process whose working directory is inside ``staging``. The directory's
+    name is unique (host, pid and a random part) and only that build's
+    processes work in it, so nothing unrelated is touched. Linux only (/proc);
+    processes of other users are not visible and are left alone."""
     root = os.path.realpath(staging)
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
         return
     for pid in pids:
+        if pid == os.getpid():
+            continue
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            if int(fields[2]) != pgid:  # fields after the command: state, ppid, pgrp
-                continue
             cwd = os.readlink(f"/proc/{pid}/cwd")
             if cwd == root or cwd.startswith(root + "/"):
                 os.kill(pid, signal.SIGKILL)
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue
 
 
