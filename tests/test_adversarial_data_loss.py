@@ -182,3 +182,22 @@ def test_read_only_cache_prewarm_prune_clean_say_so(tmp_path, monkeypatch, capsy
             assert_one_error_line(code, err, "cache_unwritable")
             assert "removed 1" not in out and "removed 2" not in out, (args, out)
         assert snapshot(cache.root) == before
+
+
+def test_a_library_replaced_by_a_link_to_an_identical_copy_is_corrupt_everywhere(cache, capsys):
+    """The loader never loads it (O_NOFOLLOW); info, doctor, prune and a lookup must agree."""
+    import shutil
+
+    entry = fake_entry(cache)
+    copy = cache.root.parent / "copy.so"
+    shutil.copy(entry.library, copy)
+    entry.library.unlink()
+    entry.library.symlink_to(copy)
+    with pytest.raises(NotBuiltError):  # not "cached": the lookup sees what the loader would refuse
+        ensure_built(ARCHS, build=False)
+    code, out, err = run_main(capsys, "info")
+    assert "INVALID" in out
+    code, out, err = run_main(capsys, "doctor", "--arch", "9.0")
+    assert "1 corrupt" in out and "no problems" not in out
+    code, out, err = run_main(capsys, "prune")
+    assert code == 0 and entry_dirs(cache.root) == [] and copy.exists()
