@@ -39,7 +39,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import tarfile
 import tempfile
 import zlib

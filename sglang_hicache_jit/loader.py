@@ -37,7 +37,7 @@ import filelock
 from . import remote, safeio, settings
 from .arch import Arch, current_gpu_capability, resolve_archs
 from .build import compile_entry
-from .cache import MAX_RECORD_BYTES, BuildCache, CorruptEntry, Entry, open_verified, sass_numbers, touch_used
+from .cache import BuildCache, CorruptEntry, Entry, open_verified, sass_numbers, touch_used
 from .errors import (ArchUnsupportedError, BuildFailedError, DisabledError, HicacheJitError, LockTimeoutError,
                      NotBuiltError, UnsafeCacheError, write_error)
 from .spec import BuildSpec

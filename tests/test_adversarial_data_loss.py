@@ -1,7 +1,6 @@
 """Adversarial: data loss and corruption (prune, clean, bad records, read-only caches)."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,7 +15,6 @@ from sglang_hicache_jit.cache import BuildCache
 from sglang_hicache_jit import errors
 from sglang_hicache_jit.errors import BuildFailedError, NotBuiltError
 from sglang_hicache_jit.loader import ensure_built
-from sglang_hicache_jit.prune import prune
 
 ARCHS = parse_arch_list("9.0")
 

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from adversarial_helpers import NOBODY, as_user, chown_tree, cli_env, needs_root, public_tmp  # noqa: F401
-from fleet_helpers import ROOT, cli, entry_dirs, env_for, fake_entry, snapshot
+from adversarial_helpers import NOBODY, as_user, cli_env, needs_root, public_tmp  # noqa: F401
+from fleet_helpers import ROOT, cli, env_for, fake_entry, snapshot
 from sglang_hicache_jit import bundle as bundle_module
 from sglang_hicache_jit import loader
 from sglang_hicache_jit.arch import parse_arch_list
 from sglang_hicache_jit.bundle import export_bundle, import_bundle
 from sglang_hicache_jit.cache import BuildCache
-from sglang_hicache_jit.errors import BuildFailedError, BundleError, NotBuiltError
+from sglang_hicache_jit.errors import BuildFailedError, BundleError
 from sglang_hicache_jit.toolchain import find_toolkit
 
 ARCHS = parse_arch_list("9.0")

@@ -66,8 +66,6 @@ def test_a_fifo_given_as_a_bundle_does_not_hang(tmp_path):
 
 def test_a_fifo_failure_record_or_owner_file_does_not_hang(tmp_path, monkeypatch):
     """The failure memo and the lock holder file are read by waiting processes too."""
-    from sglang_hicache_jit import loader
-
     cache = BuildCache(tmp_path / "cache")
     cache.ensure_root()
     fifo_record = cache.failure_path("sm90", "hicache_transfer", "a" * 16)
