@@ -29,9 +29,15 @@ from .toolchain import torch_info
 KERNEL = "hicache_transfer"
 SOURCES = ("hicache_transfer.cu", "binding.cpp")
 HEADERS = ("hicache_transfer.h",)
-# torch adds -O2/-fPIC/-std and the half-precision guards itself.
-CUDA_FLAGS = ("-O3", "-lineinfo")
-CXX_FLAGS = ("-O2", "-DUSE_CUDA")
+# build.py runs nvcc, c++ and the link itself (not torch.utils.cpp_extension), so these are the whole
+# flags and all of them are in the key. The .cu is torch-free and built as C++17: C++20's standard
+# headers cost nvcc's host passes about 0.5 s here and change no machine code (same SASS). The
+# binding includes torch's headers and is built as torch builds extensions (C++20).
+CUDA_FLAGS = ("-O3", "-lineinfo", "-std=c++17", "-Xcompiler=-fPIC")
+CXX_FLAGS = ("-O2", "-std=c++20", "-fPIC", "-DUSE_CUDA")
+# -z defs: a symbol that no library provides fails the link here, in the builder, not a dlopen in a server.
+LINK_FLAGS = ("-shared", "-Wl,-z,defs")
+LIBRARIES = ("c10", "c10_cuda", "torch_cpu", "torch_cuda", "torch", "cudart")  # torch's lib/, the toolkit's lib64/
 LAYOUT_VERSION = "v1"  # bump when the cache layout or manifest format changes
 
 
@@ -90,6 +96,9 @@ class BuildSpec:
     def cxx_flags(self) -> list[str]:
         return list(CXX_FLAGS)
 
+    def link_flags(self) -> list[str]:
+        return list(LINK_FLAGS) + [f"-l{name}" for name in LIBRARIES]
+
     @functools.cached_property
     def abi_components(self) -> dict:
         torch = torch_info()
@@ -100,6 +109,7 @@ class BuildSpec:
             "sources": {name: _sha256(data) for name, data in self.files},
             "cuda_flags": self.cuda_flags(),
             "cxx_flags": self.cxx_flags(),
+            "link_flags": self.link_flags(),
             "archs": [str(a) for a in self.archs],
             "torch": torch["version"],
             "torch_git": torch["git"],

@@ -127,6 +127,22 @@ def torch_info() -> dict:
             "cuda": torch.version.cuda,
             "git": getattr(torch.version, "git_version", ""),
         }
+    namespace: dict = {}
+    version_file = torch_root() / "version.py"
+    exec(compile(version_file.read_text(), str(version_file), "exec"), namespace)  # a plain constants file
+    return {
+        "version": str(namespace.get("__version__")),
+        "cuda": namespace.get("cuda"),
+        "git": namespace.get("git_version", ""),
+    }
+
+
+def torch_root() -> Path:
+    """torch's package directory (its include/ and lib/ are what a build compiles and links against),
+    found without importing torch."""
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "__file__", None):
+        return Path(torch.__file__).parent
     import importlib.util
 
     spec = importlib.util.find_spec("torch")
@@ -134,14 +150,7 @@ def torch_info() -> dict:
         raise ToolchainError(
             "PyTorch is not installed.", "pip install torch (a CUDA build).", code="no_torch"
         )
-    namespace: dict = {}
-    version_file = Path(spec.origin).parent / "version.py"
-    exec(compile(version_file.read_text(), str(version_file), "exec"), namespace)  # a plain constants file
-    return {
-        "version": str(namespace.get("__version__")),
-        "cuda": namespace.get("cuda"),
-        "git": namespace.get("git_version", ""),
-    }
+    return Path(spec.origin).parent
 
 
 def find_ninja() -> str | None:
@@ -215,7 +224,7 @@ def require_ninja() -> str:
     ninja = find_ninja()
     if ninja is None:
         raise ToolchainError(
-            "ninja is not installed; torch.utils.cpp_extension needs it to compile.",
+            "ninja is not installed; the build needs it to compile.",
             "pip install ninja",
             code="no_ninja",
         )
