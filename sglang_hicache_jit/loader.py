@@ -9,7 +9,9 @@
     -> load: open the library, check owner, mode and sha256 on that open file, dlopen it
 
 A warm hit reads the manifest, checks the library's sha256 and loads it: no
-lock, no ninja, no compiler subprocess. ``load_kernels`` also makes sure the
+lock, no ninja, no compiler subprocess, and none of their modules: filelock,
+build.py and remote.py (fsspec) are imported only when a build or a remote
+layer needs them (tests/test_warm_path.py holds the warm path to that). ``load_kernels`` also makes sure the
 library has machine code (SASS) for the GPU it is for: a build that would only
 run through the driver's PTX JIT (slower, and compiled at every start) is
 refused, or replaced by a build for that GPU.
@@ -25,18 +27,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
-import filelock
-
-from . import remote, safeio, settings
+# Only what a warm hit uses is imported here: filelock alone took 65-80 ms to import, 15x the whole
+# warm load, and build.py, remote.py and socket are needed only to build or fetch.
+from . import safeio, settings
 from .arch import Arch, current_gpu_capability, resolve_archs
-from .build import compile_entry
 from .cache import BuildCache, CorruptEntry, Entry, open_verified, sass_numbers, touch_used
 from .errors import (ArchUnsupportedError, BuildFailedError, DisabledError, HicacheJitError, LockTimeoutError,
                      NotBuiltError, UnsafeCacheError, write_error)
@@ -48,8 +48,7 @@ log = logging.getLogger("sglang_hicache_jit")
 _WAIT_LOG_SECONDS = 5.0
 
 
-@dataclass(frozen=True)
-class BuildResult:
+class BuildResult(NamedTuple):  # not a dataclass: defining one costs ~0.5 ms of the warm path
     """What ``ensure_built`` did: action is 'built', 'cached' (in the writable
     cache), 'prebuilt' (in a read-only layer), 'fetched' (copied from a remote
     layer) or 'waited' (another process built it meanwhile)."""
@@ -65,16 +64,20 @@ class BuildResult:
         return self.entry.path
 
 
-@dataclass
 class KernelLibrary:
     """A loaded build: its op namespace (``ops.transfer``) and what it was built for."""
 
-    name: str
-    archs: tuple[Arch, ...]
-    entry: Entry
-    ops: object = field(repr=False)
-    fd: int = field(default=-1, repr=False)  # the verified library, kept open (see load_entry)
-    handle: object = field(default=None, repr=False)  # ctypes handle: the C launcher, called directly by ops
+    def __init__(self, name: str, archs: tuple[Arch, ...], entry: Entry, ops: object, fd: int = -1,
+                 handle: object = None):
+        self.name = name
+        self.archs = archs
+        self.entry = entry
+        self.ops = ops
+        self.fd = fd  # the verified library, kept open (see load_entry)
+        self.handle = handle  # ctypes handle: the C launcher, called directly by ops
+
+    def __repr__(self) -> str:
+        return f"KernelLibrary(name={self.name!r}, archs={self.archs!r}, entry={self.entry!r})"
 
     @property
     def path(self) -> Path:
@@ -97,17 +100,31 @@ def writable_cache() -> BuildCache:
 
 def prebuilt_layers() -> list[BuildCache]:
     """The local read-only layers of SGLANG_HICACHE_JIT_PREBUILT_DIRS, in the order named."""
-    return [BuildCache(Path(p).expanduser(), prebuilt=True) for p in settings.prebuilt_dirs() if not remote.is_url(p)]
+    dirs = settings.prebuilt_dirs()
+    if not dirs:
+        return []
+    from . import remote
+
+    return [BuildCache(Path(p).expanduser(), prebuilt=True) for p in dirs if not remote.is_url(p)]
 
 
 def remote_layers() -> list[str]:
     """The fsspec URLs of SGLANG_HICACHE_JIT_PREBUILT_DIRS (consulted after the local cache)."""
-    return [p for p in settings.prebuilt_dirs() if remote.is_url(p)]
+    dirs = settings.prebuilt_dirs()
+    if not dirs:
+        return []
+    from . import remote
+
+    return [p for p in dirs if remote.is_url(p)]
 
 
 @contextmanager
 def _build_lock(cache: BuildCache, spec: BuildSpec, key: str):
     """Holds the entry's cross-process lock; yields True when another process held it first."""
+    import socket
+
+    import filelock
+
     path = cache.lock_path(spec.arch_tag, spec.kernel, key)
     owner_path = path.with_suffix(".owner")
     lock = filelock.FileLock(str(path))
@@ -189,6 +206,8 @@ def find_entry(spec: BuildSpec, key: str | None, toolkit: str | None, cache: Bui
     except CorruptEntry as exc:
         log.warning("a cache entry failed verification, so it is built again: %s", exc)
     for url in remote_layers():
+        from . import remote
+
         try:
             entry = remote.fetch_entry(url, cache, spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit)
         except UnsafeCacheError:  # refused like an unsafe local layer, not skipped silently
@@ -243,6 +262,13 @@ def ensure_built(archs: tuple[Arch, ...], *, build: bool = True, retry_failed: b
 
         apply_size_cap(cache, keep=(result.entry.path,))
     return result
+
+
+def compile_entry(spec: BuildSpec, key: str, tools, staging: Path) -> tuple[Path, float]:
+    """build.compile_entry, imported by the first build rather than by every warm load."""
+    from . import build
+
+    return build.compile_entry(spec, key, tools, staging)
 
 
 def _build(cache: BuildCache, spec: BuildSpec, key: str, tools) -> BuildResult:
