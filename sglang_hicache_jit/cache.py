@@ -54,13 +54,12 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import socket
 import stat
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from . import safeio, settings, trust
 from .errors import BadSettingError, UnsafeCacheError, write_error
@@ -91,8 +90,7 @@ class CorruptEntry(Exception):
     """An entry exists but fails verification; the message says why."""
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):  # not a dataclass: defining one costs ~0.5 ms of the warm path
     path: Path
     manifest: dict
     prebuilt: bool = False  # found in a read-only prebuilt layer (never written to)
@@ -508,7 +506,7 @@ class BuildCache:
     def new_staging_dir(self, entry_name: str) -> Path:
         self._layout()
         staging = _private_dir(self.layout_root / ".staging")
-        name = f"{entry_name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
+        name = f"{entry_name}.{socket.gethostname()}.{os.getpid()}.{os.urandom(4).hex()}"
         return _private_dir(staging / name)
 
     def publish(self, staged_entry: Path, arch_tag: str, kernel: str, key: str) -> Entry:
@@ -550,7 +548,7 @@ class BuildCache:
     def _discard(self, path: Path) -> None:
         """Removes an entry: one rename out of sight (readers see all or nothing), then delete."""
         assert not self.prebuilt, "a prebuilt layer is never written to"
-        trash = _private_dir(self.layout_root / ".trash") / f"{path.name}.{secrets.token_hex(4)}"
+        trash = _private_dir(self.layout_root / ".trash") / f"{path.name}.{os.urandom(4).hex()}"
         try:
             os.replace(path, trash)
         except FileNotFoundError:
