@@ -59,7 +59,7 @@ import socket
 import stat
 import time
 from pathlib import Path
-from typing import NamedTuple
+from collections import namedtuple
 
 from . import safeio, settings, trust
 from .errors import BadSettingError, UnsafeCacheError, write_error
@@ -90,10 +90,11 @@ class CorruptEntry(Exception):
     """An entry exists but fails verification; the message says why."""
 
 
-class Entry(NamedTuple):  # not a dataclass: defining one costs ~0.5 ms of the warm path
-    path: Path
-    manifest: dict
-    prebuilt: bool = False  # found in a read-only prebuilt layer (never written to)
+class Entry(namedtuple("Entry", ["path", "manifest", "prebuilt"], defaults=[False])):  # see arch.Arch
+    """A verified entry: its directory (Path), its manifest (dict) and whether it was found in a
+    read-only prebuilt layer (prebuilt, never written to)."""
+
+    __slots__ = ()
 
     @property
     def library(self) -> Path:
@@ -234,12 +235,13 @@ def _open_library(entry: Entry, *, check_trust: bool) -> int:
         raise
 
 
-_TOOLKIT_VERSION = re.compile(r"^cuda-(\d+\.\d+)-")
+# Patterns compile on first use (re caches them): a compile at import costs 0.1-0.2 ms of every warm load.
+_TOOLKIT_VERSION = r"^cuda-(\d+\.\d+)-"
 
 
 def toolkit_version(identity: str | None) -> str | None:
     """'cuda-13.0-nvcc12345' -> '13.0' (a toolkit identity, see toolchain.Toolkit)."""
-    match = _TOOLKIT_VERSION.match(identity or "")
+    match = re.match(_TOOLKIT_VERSION, identity or "")
     return match.group(1) if match else None
 
 
@@ -262,7 +264,7 @@ def acceptable(manifest: dict, abi_key: str, local_toolkit: str | None) -> bool:
     return toolkit_version(manifest.get("toolkit")) == toolkit_version(local_toolkit)
 
 
-_SASS_FLAG = re.compile(r"code=sm_(\d+[af]?)")
+_SASS_FLAG = r"code=sm_(\d+[af]?)"
 
 
 def sass_numbers(manifest: dict) -> set[str]:
@@ -272,7 +274,7 @@ def sass_numbers(manifest: dict) -> set[str]:
     flags = components.get("cuda_flags", []) if isinstance(components, dict) else []
     if not isinstance(flags, list):
         return set()
-    return {number for flag in flags if isinstance(flag, str) for number in _SASS_FLAG.findall(flag)}
+    return {number for flag in flags if isinstance(flag, str) for number in re.findall(_SASS_FLAG, flag)}
 
 
 def touch_used(entry: Entry) -> None:

@@ -31,7 +31,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from collections import namedtuple
 
 # Only what a warm hit uses is imported here: filelock alone took 65-80 ms to import, 15x the whole
 # warm load, and build.py, remote.py and socket are needed only to build or fetch.
@@ -48,16 +48,12 @@ log = logging.getLogger("sglang_hicache_jit")
 _WAIT_LOG_SECONDS = 5.0
 
 
-class BuildResult(NamedTuple):  # not a dataclass: defining one costs ~0.5 ms of the warm path
+class BuildResult(namedtuple("BuildResult", ["kernel", "archs", "action", "seconds", "entry"])):  # see arch.Arch
     """What ``ensure_built`` did: action is 'built', 'cached' (in the writable
     cache), 'prebuilt' (in a read-only layer), 'fetched' (copied from a remote
     layer) or 'waited' (another process built it meanwhile)."""
 
-    kernel: str
-    archs: tuple[Arch, ...]
-    action: str
-    seconds: float
-    entry: Entry
+    __slots__ = ()
 
     @property
     def path(self) -> Path:

@@ -22,18 +22,16 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import NamedTuple
+from collections import namedtuple
 
 from .arch import Arch
 from .errors import ArchUnsupportedError, ToolchainError
 
 
-# NamedTuple, not a frozen dataclass: defining a dataclass costs ~0.5 ms on a small machine, and this
-# module is imported by every warm load (issue 10: the whole warm load must stay under 5 ms).
-class Toolkit(NamedTuple):
-    home: Path
-    version: str  # "13.0", from cuda.h
-    found_by: str
+class Toolkit(namedtuple("Toolkit", ["home", "version", "found_by"])):  # a namedtuple: see arch.Arch
+    """A CUDA toolkit: home (Path), version ("13.0", from cuda.h), found_by (where the search found it)."""
+
+    __slots__ = ()
 
     @property
     def nvcc(self) -> Path:
@@ -177,13 +175,9 @@ def _run(cmd: list[str]) -> str:
     return result.stdout
 
 
-class BuildTools(NamedTuple):  # a NamedTuple for the reason given at Toolkit
-    toolkit: Toolkit
-    nvcc_version: str      # full 'release 13.0, V13.0.88' line
-    nvcc_archs: frozenset  # compute capabilities nvcc can target, e.g. {"90", "100"}
-    ninja: str
-    cxx: str
-    cxx_version: str
+# toolkit (Toolkit), nvcc_version (its full 'release 13.0, V13.0.88' line), nvcc_archs (frozenset of the
+# compute capabilities nvcc can target, e.g. {"90", "100"}), ninja, cxx and cxx_version (str).
+BuildTools = namedtuple("BuildTools", ["toolkit", "nvcc_version", "nvcc_archs", "ninja", "cxx", "cxx_version"])
 
 
 @functools.lru_cache(maxsize=None)
