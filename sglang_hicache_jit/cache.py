@@ -176,8 +176,10 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def verify_entry(path: Path, *, key: str | None = None, abi_key: str | None = None) -> Entry:
-    """Reads and checks an entry; raises CorruptEntry with the reason."""
+def verify_entry(path: Path, *, key: str | None = None, abi_key: str | None = None, hash_library: bool = True
+                 ) -> Entry:
+    """Reads and checks an entry; raises CorruptEntry with the reason. hash_library=False leaves out
+    the library's sha256, for a caller that checks it on the descriptor it loads (open_verified)."""
     manifest = read_manifest(path)
     if key is not None and manifest.get("key") != key:
         raise CorruptEntry(f"{path} holds key {manifest.get('key')!r}, expected {key!r}")
@@ -196,7 +198,7 @@ def verify_entry(path: Path, *, key: str | None = None, abi_key: str | None = No
     if library != f"{name}.so":
         raise CorruptEntry(f"{path / MANIFEST} names no valid library file")
     entry = Entry(path, manifest)
-    os.close(_open_library(entry, check_trust=False))
+    os.close(_open_library(entry, check_trust=False, hash_library=hash_library))
     return entry
 
 
@@ -207,7 +209,7 @@ def open_verified(entry: Entry) -> int:
     return _open_library(entry, check_trust=True)
 
 
-def _open_library(entry: Entry, *, check_trust: bool) -> int:
+def _open_library(entry: Entry, *, check_trust: bool, hash_library: bool = True) -> int:
     """The library's descriptor after checking (on it) that it is a regular file
     (not a symlink, even to an identical copy: the loader would refuse it, so
     it must count as corrupt everywhere), its size and sha256."""
@@ -223,6 +225,8 @@ def _open_library(entry: Entry, *, check_trust: bool) -> int:
             trust.check_stat(st, entry.library, prebuilt=entry.prebuilt)
         if st.st_size != entry.manifest.get("size"):
             raise CorruptEntry(f"{entry.library} has {st.st_size} bytes, the manifest says {entry.manifest.get('size')}")
+        if not hash_library:
+            return fd
         digest = hashlib.sha256()
         with os.fdopen(os.dup(fd), "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
@@ -447,13 +451,14 @@ class BuildCache:
         return self.arch_dir(arch_tag) / f"{kernel}-{key}.failed.json"
 
     # ---- lookup ------------------------------------------------------------
-    def lookup(self, arch_tag: str, kernel: str, key: str) -> Entry | None:
-        """The verified entry, None when absent; CorruptEntry when present but bad."""
+    def lookup(self, arch_tag: str, kernel: str, key: str, *, hash_library: bool = True) -> Entry | None:
+        """The verified entry (see verify_entry for hash_library), None when absent; CorruptEntry when
+        present but bad."""
         path = self.entry_path(arch_tag, kernel, key)
         if not path.exists():
             return None
         self.check_trust(path)
-        return self._entry(verify_entry(path, key=key))
+        return self._entry(verify_entry(path, key=key, hash_library=hash_library))
 
     def find_abi(self, arch_tag: str, kernel: str, abi_key: str, local_toolkit: str | None = None
                  ) -> Entry | None:
@@ -474,15 +479,15 @@ class BuildCache:
                 return self._entry(entry)
         return None
 
-    def find(self, arch_tag: str, kernel: str, abi_key: str, key: str | None, local_toolkit: str | None
-             ) -> Entry | None:
+    def find(self, arch_tag: str, kernel: str, abi_key: str, key: str | None, local_toolkit: str | None, *,
+             hash_library: bool = True) -> Entry | None:
         """The exact key first, then an acceptable entry of the same ABI. A
         corrupt exact entry raises CorruptEntry in the writable cache (the
         caller rebuilds it) and is skipped in a prebuilt layer (it cannot be
         fixed there)."""
         if key is not None:
             try:
-                entry = self.lookup(arch_tag, kernel, key)
+                entry = self.lookup(arch_tag, kernel, key, hash_library=hash_library)
                 if entry is not None and entry.manifest.get("abi_key") == abi_key:
                     return entry
             except CorruptEntry as exc:

@@ -182,21 +182,22 @@ def _fail_fast(cache: BuildCache, spec: BuildSpec, key: str, newer_than: float |
     )
 
 
-def find_entry(spec: BuildSpec, key: str | None, toolkit: str | None, cache: BuildCache
-               ) -> tuple[Entry, str] | None:
+def find_entry(spec: BuildSpec, key: str | None, toolkit: str | None, cache: BuildCache, *,
+               hash_library: bool = True) -> tuple[Entry, str] | None:
     """A usable entry without building: prebuilt layers, the cache, remote layers.
     Returns it with the action to report. A corrupt exact entry in the writable
-    cache is only reported here; the caller rebuilds it under the lock."""
+    cache is only reported here; the caller rebuilds it under the lock.
+    hash_library=False: see cache.verify_entry."""
     for layer in prebuilt_layers():
         try:
-            entry = layer.find(spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit)
+            entry = layer.find(spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit, hash_library=hash_library)
         except OSError as exc:  # e.g. a layer this user cannot read (`doctor` reports it)
             log.warning("prebuilt layer %s skipped: %s", layer.root, exc)
             continue
         if entry is not None:
             return entry, "prebuilt"
     try:
-        entry = cache.find(spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit)
+        entry = cache.find(spec.arch_tag, spec.kernel, spec.abi_key, key, toolkit, hash_library=hash_library)
         if entry is not None:
             return entry, "cached"
     except CorruptEntry as exc:
@@ -216,8 +217,10 @@ def find_entry(spec: BuildSpec, key: str | None, toolkit: str | None, cache: Bui
     return None
 
 
-def ensure_built(archs: tuple[Arch, ...], *, build: bool = True, retry_failed: bool = False) -> BuildResult:
-    """Makes sure a verified entry exists for ``archs``; builds it when needed and allowed."""
+def ensure_built(archs: tuple[Arch, ...], *, build: bool = True, retry_failed: bool = False,
+                 hash_library: bool = True) -> BuildResult:
+    """Makes sure a verified entry exists for ``archs``; builds it when needed and allowed.
+    hash_library=False leaves the library's sha256 to a caller that loads it (see _load)."""
     started = time.time()
     # Settings a build needs, read before anything is created (a bad one leaves nothing behind).
     settings.lock_timeout(), settings.build_jobs()
@@ -227,7 +230,7 @@ def ensure_built(archs: tuple[Arch, ...], *, build: bool = True, retry_failed: b
     identity = toolkit.identity if toolkit is not None else None
     # Without a compiler here, any verified entry of this ABI will do (cache.acceptable).
     key = spec.key(identity) if identity is not None else None
-    found = find_entry(spec, key, identity, cache)
+    found = find_entry(spec, key, identity, cache, hash_library=hash_library)
     if found is not None:
         entry, action = found
         return BuildResult(spec.kernel, spec.archs, action, time.time() - started if action == "fetched" else 0.0,
@@ -369,8 +372,11 @@ def _load(archs: tuple[Arch, ...], build: bool) -> KernelLibrary:
     """ensure_built + load_entry, looking again when the entry vanished or changed in between
     (a prune or a rebuild by another process)."""
     problem = None
-    for _ in range(3):
-        result = ensure_built(archs, build=build)
+    for attempt in range(3):
+        # load_entry hashes the library on the descriptor it loads, so the first look leaves the
+        # hash out (0.3 ms of a 5 ms warm load); after a mismatch the look hashes too, which
+        # reports a corrupt entry and rebuilds it.
+        result = ensure_built(archs, build=build, hash_library=attempt > 0)
         try:
             return load_entry(result.entry, archs)
         except CorruptEntry as exc:

@@ -110,6 +110,25 @@ def test_truncated_library_is_rebuilt_not_loaded(tmp_path):
     assert library.stat().st_size == manifest["size"]
 
 
+def test_same_size_corruption_is_rebuilt_by_load_kernels(tmp_path):
+    # The warm path hashes the library once, on the descriptor it loads (the lookup checks only its
+    # size); a mismatch there must still lead to a rebuild, not to a failure or a load.
+    env = _env(tmp_path / "cache")
+    first = _prewarm_json(env)
+    manifest = json.loads(Path(first["path"], "manifest.json").read_text())
+    library = Path(first["path"], manifest["library"])
+    data = bytearray(library.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    library.write_bytes(bytes(data))
+    load = ("import torch\nfrom sglang_hicache_jit import load_kernels\n"
+            "print(load_kernels('9.0').path)\n")
+    out = subprocess.run([sys.executable, "-c", load], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == str(library)
+    assert "built again" in out.stderr
+    assert library.read_bytes() != bytes(data)
+
+
 def test_failed_build_is_remembered_until_cleaned(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(spec_module, "CUDA_FLAGS", spec_module.CUDA_FLAGS + ("--no-such-nvcc-flag",))
