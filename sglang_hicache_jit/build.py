@@ -2,9 +2,10 @@
 
 The compile runs ``_compile.py`` in a child process, which has ninja run the
 command lines made here (nvcc for the .cu, c++ for the binding, in parallel,
-then the link) with verbose output into the build log, inside a private
-staging directory. The sources are copied there first, so the bytes compiled
-are the bytes the key was computed from.
+then the link) with verbose output into the build log and its steps to the
+logger (progress.py), inside a private staging directory. The sources are
+copied there first, so the bytes compiled are the bytes the key was computed
+from.
 
 The command lines are written here instead of by torch.utils.cpp_extension:
 importing torch in the child cost 1.5-3 s of a 3 s build on a 2-core machine.
@@ -39,6 +40,7 @@ from pathlib import Path
 
 from .cache import BUILD_LOG, write_manifest
 from .errors import BuildFailedError
+from .progress import follow
 from .spec import BuildSpec
 from .toolchain import BuildTools, torch_root
 from . import settings
@@ -62,13 +64,14 @@ def _classify(returncode: int, text: str) -> tuple[str, bool]:
     return "compile_error", False
 
 
-def _run_compiler(args: list[str], log, env: dict, cwd: Path) -> int:
-    """Runs the compile child in its own process group; if this call is
-    interrupted (Ctrl-C, an exception), the whole group is killed, not just the child."""
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
-                            start_new_session=True)
+def _run_compiler(args: list[str], log, env: dict, cwd: Path, what: str) -> int:
+    """Runs the compile child in its own process group, its output copied to ``log`` and its progress
+    logged (progress.follow); if this call is interrupted (Ctrl-C, an exception), the whole group is
+    killed, not just the child."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, cwd=cwd, start_new_session=True)
     try:
-        return proc.wait()
+        return follow(proc, log_file=log, what=what)
     except BaseException:
         try:
             os.killpg(proc.pid, signal.SIGTERM)  # the child's handler stops ninja and its jobs
@@ -152,7 +155,7 @@ def _compile_entry(spec: BuildSpec, key: str, tools: BuildTools, staging: Path) 
         log.write(f"# {name} for {', '.join(map(str, spec.archs))} with {tools.nvcc_version}\n".encode())
         log.flush()
         returncode = _run_compiler([sys.executable, str(_COMPILE_SCRIPT), str(request_path), str(os.getpid())],
-                                   log, env, staging)
+                                   log, env, staging, f"{spec.kernel} for {spec.arch_tag}")
     seconds = time.monotonic() - started
     library = build_dir / f"{name}.so"
     if returncode != 0 or not library.is_file():

@@ -281,8 +281,8 @@ def _build(cache: BuildCache, spec: BuildSpec, key: str, tools) -> BuildResult:
         staging = cache.new_staging_dir(entry_name)
     except OSError as exc:
         raise write_error(exc, f"the cache directory {cache.root} ({cache.setting})") from None
-    log.info("compiling %s for %s with %s (log: %s)", spec.kernel, spec.arch_tag, tools.nvcc_version,
-             staging / "entry" / "build.log")
+    # The staging directory goes away after publication: the log path worth printing is the published one.
+    log.info("compiling %s for %s with nvcc %s", spec.kernel, spec.arch_tag, tools.nvcc_version)
     try:
         try:
             entry_dir, seconds = compile_entry(spec, key, tools, staging)
@@ -312,7 +312,7 @@ def _build(cache: BuildCache, spec: BuildSpec, key: str, tools) -> BuildResult:
             raise write_error(exc, f"publishing into {cache.root} ({cache.setting})") from None
     finally:
         _remove_tree(staging)
-    log.info("compiled %s for %s in %.1f s", spec.kernel, spec.arch_tag, seconds)
+    log.info("compiled %s for %s in %.1f s; build log: %s", spec.kernel, spec.arch_tag, seconds, entry.log)
     return BuildResult(spec.kernel, spec.archs, "built", seconds, entry)
 
 
