@@ -8,7 +8,8 @@ Two tiers, because the warm path must not start a subprocess:
 
 The CUDA home is searched in this order: $CUDA_HOME / $CUDA_PATH, the ``nvcc``
 on PATH when it sits inside a toolkit, then /usr/local/cuda and
-/usr/local/cuda-*. An ``nvcc`` on PATH that is a wrapper script (its directory
+/usr/local/cuda-*. A $CUDA_HOME or $CUDA_PATH that is not a toolkit is
+reported with a warning, then the search goes on. An ``nvcc`` on PATH that is a wrapper script (its directory
 holds no toolkit) is not trusted to locate one: torch's own guess takes its
 parent directory and fails that way.
 """
@@ -16,6 +17,7 @@ parent directory and fails that way.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import shutil
@@ -26,6 +28,8 @@ from collections import namedtuple
 
 from .arch import Arch
 from .errors import ArchUnsupportedError, ToolchainError
+
+log = logging.getLogger("sglang_hicache_jit")
 
 
 class Toolkit(namedtuple("Toolkit", ["home", "version", "found_by"])):  # a namedtuple: see arch.Arch
@@ -90,12 +94,21 @@ def _candidates() -> list[tuple[Path, str]]:
 
 @functools.lru_cache(maxsize=None)
 def _find_toolkit_cached(environment: tuple) -> Toolkit | None:
+    found, rejected = None, []
     for home, how in _candidates():
-        if _is_toolkit(home):
-            version = _header_version(home)
-            if version:
-                return Toolkit(home.resolve(), version, how)
-    return None
+        version = _header_version(home) if _is_toolkit(home) else None
+        if version:
+            found = Toolkit(home.resolve(), version, how)
+            break
+        if how in ("$CUDA_HOME", "$CUDA_PATH"):
+            rejected.append(f"{how[1:]}={home}")
+    if rejected:
+        # Named explicitly, yet unusable: say so rather than quietly build with a toolkit nobody chose.
+        # (Cached per environment, so this is said once per process, not at every load.)
+        log.warning("%s is not a CUDA toolkit (it needs bin/nvcc and include/cuda.h); %s",
+                    " and ".join(rejected),
+                    f"using {found.home} (found by {found.found_by}) instead" if found else "no other toolkit found")
+    return found
 
 
 def find_toolkit() -> Toolkit | None:

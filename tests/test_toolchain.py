@@ -28,6 +28,19 @@ def test_cuda_home_wins(tmp_path, monkeypatch):
     assert toolkit.home == home.resolve() and toolkit.version == "12.8" and toolkit.found_by == "$CUDA_HOME"
 
 
+def test_an_explicit_cuda_home_that_is_not_a_toolkit_is_reported(tmp_path, monkeypatch, caplog):
+    not_a_toolkit = tmp_path / "empty"
+    not_a_toolkit.mkdir()
+    monkeypatch.setenv("CUDA_HOME", str(not_a_toolkit))
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    with caplog.at_level("WARNING", logger="sglang_hicache_jit"):
+        toolkit = toolchain.find_toolkit()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"CUDA_HOME={not_a_toolkit} is not a CUDA toolkit" in warning
+    assert toolkit is None or toolkit.home != not_a_toolkit
+    assert (f"using {toolkit.home}" if toolkit else "no other toolkit found") in warning
+
+
 def test_a_wrapper_nvcc_on_path_is_not_taken_for_a_toolkit(tmp_path, monkeypatch):
     wrappers = tmp_path / "wrappers"
     wrappers.mkdir()
