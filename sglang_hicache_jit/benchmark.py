@@ -1,11 +1,11 @@
 """Transfer benchmark: this package's kernels beside PyTorch baselines and the link's ceiling.
 
-Workloads and pool shapes follow DESIGN.md section 7: a ``page_first`` host
-pool of 512K token slots x 8 layers, a 256K-slot device pool, random whole
-pages (host side sorted), one layer per call or all layers at once. Every
-figure is a median of CUDA-event timings over several calls on random bytes;
-the ceiling (one contiguous pinned copy of the same bytes, same direction) is
-measured in the same run, and every ratio is against it.
+Workloads and pool shapes are those of docs/BENCHMARKS.md ("Workloads"): a
+``page_first`` host pool of 512K token slots x 8 layers, a 256K-slot device
+pool, random whole pages (host side sorted), one layer per call or all layers
+at once. Every figure is a median of CUDA-event timings over several calls on
+random bytes; the ceiling (one contiguous pinned copy of the same bytes, same
+direction) is measured in the same run, and every ratio is against it.
 
 Run with ``sglang-hicache-jit bench`` or ``python tools/bench_transfer.py``.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
@@ -28,6 +29,8 @@ WORKLOADS = {
     "mha-small": (2, 256),
 }
 LAYERS = 8
+
+log = logging.getLogger("sglang_hicache_jit")
 
 
 @dataclass
@@ -233,7 +236,12 @@ def run(args) -> list[dict]:
     records = []
     scratch: dict = {}
     device_name = torch.cuda.get_device_name()
+    points = [(w, sc, p, t, d) for w in args.workloads for sc in args.scopes for p in args.page_sizes
+              for t in args.tokens for d in args.directions if not (sc == "all" and t > args.max_all_layer_tokens)]
+    done, started = 0, time.monotonic()
     for workload in args.workloads:
+        log.info("%s: filling a %d-slot host pool and a %d-slot device pool with random bytes", workload,
+                 args.host_slots, args.device_slots)
         pools = make_pools(workload, args.host_slots, args.device_slots)
         for scope in args.scopes:
             for page_size in args.page_sizes:
@@ -243,8 +251,12 @@ def run(args) -> list[dict]:
                     host_idx, dev_idx = make_indices(tokens, page_size, pools.host_slots, pools.device_slots,
                                                      seed=tokens + page_size)
                     for direction in args.directions:
+                        done += 1
                         ceiling = None
                         for provider in _providers(args):
+                            log.info("[%d/%d] %s %s-layer %s page %d, %d tokens: %s (%.0f s so far)", done,
+                                     len(points), workload, scope, direction, page_size, tokens, provider,
+                                     time.monotonic() - started)
                             if provider in ("torch-index", "per-page") and tokens > args.max_baseline_tokens:
                                 continue
                             if provider == "per-page" and page_size < 16:
@@ -429,8 +441,8 @@ def plot(records: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="sglang-hicache-jit bench", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared by `sglang-hicache-jit bench` and tools/bench_transfer.py)."""
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--scopes", nargs="+", default=["one", "all"], choices=["one", "all"])
     p.add_argument("--directions", nargs="+", default=["h2d", "d2h"], choices=["h2d", "d2h"])
@@ -452,21 +464,28 @@ def parse_args(argv=None):
     p.add_argument("--gemm-seconds", type=float, default=0.05, help="interference: matmul time per measurement")
     p.add_argument("--json", help="write the records to this JSON file")
     p.add_argument("--plot", help="draw GB/s against tokens per call into this PNG (needs matplotlib)")
-    p.add_argument("--quiet", action="store_true")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="bench_transfer.py", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.add_argument("-q", "--quiet", action="store_true", help="print no row per measurement")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def run_parsed(args) -> int:
+    """Runs the benchmark for parsed arguments; torch is imported only here, after parsing."""
     import torch
 
-    args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench needs a CUDA GPU (the transfers run between GPU memory and pinned host memory)", file=sys.stderr)
+        print("error: bench needs a CUDA GPU (the transfers run between GPU memory and pinned host memory)",
+              file=sys.stderr)
         return 2
     records = {"transfer": run, "interference": interference, "overhead": overhead}[args.mode](args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "records": records}, f, indent=1)
+            json.dump({"schema": 1, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "records": records}, f,
+                      indent=1)
     if args.plot and args.mode == "transfer":
         try:
             plot(records, args.plot)
@@ -474,6 +493,12 @@ def main(argv=None) -> int:
             print("matplotlib is not installed (pip install 'sglang-hicache-jit[bench]'); no plot drawn",
                   file=sys.stderr)
     return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s", stream=sys.stderr)
+    return run_parsed(args)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def _targets(arch: str | None) -> tuple[list[tuple], Check | None]:
         return [], Check("target archs", "skip", exc.reason, exc.fix)
 
 
-def _available(archs: tuple, toolkit) -> str | None:
+def where_available(archs: tuple, toolkit) -> str | None:
     """Where a usable entry for ``archs`` is (without building or fetching), or None."""
     from .loader import prebuilt_layers, writable_cache
     from .spec import BuildSpec
@@ -131,7 +131,7 @@ def _available(archs: tuple, toolkit) -> str | None:
 def _toolchain_checks(targets: list[tuple], torch_info: dict | None) -> list[Check]:
     checks = []
     toolkit = toolchain.find_toolkit()
-    available = {archs: _available(archs, toolkit) for archs in targets}
+    available = {archs: where_available(archs, toolkit) for archs in targets}
     all_prebuilt = bool(targets) and all(available.values())
     facts = None
     if toolkit is None:
@@ -338,8 +338,14 @@ def run_checks(arch: str | None = None) -> list[Check]:
     return checks
 
 
+def archs_checked(checks: list[Check]) -> list[str]:
+    """The arch lists the checks covered (none without a GPU and without --arch)."""
+    return [c.name[len("arch "):] for c in checks if c.name.startswith("arch ")]
+
+
 def as_json(checks: list[Check]) -> dict:
-    return {"ok": not any(c.status == "problem" for c in checks), "checks": [asdict(c) for c in checks]}
+    return {"schema": 1, "ok": not any(c.status == "problem" for c in checks), "archs_checked": archs_checked(checks),
+            "checks": [asdict(c) for c in checks]}
 
 
 def format_checks(checks: list[Check]) -> str:
@@ -351,4 +357,8 @@ def format_checks(checks: list[Check]) -> str:
             lines.append(f"{'':7} {'':<18} fix: {c.fix}")
     problems = sum(c.status == "problem" for c in checks)
     lines.append(f"{problems} problem{'s' if problems != 1 else ''} found" if problems else "no problems found")
+    if not archs_checked(checks):
+        # Without a GPU and without --arch nothing says which build to look for: a clean report would mislead.
+        lines[-1] += ("; but no arch was checked (no GPU here and none named): "
+                      "run `sglang-hicache-jit doctor --arch 9.0` (your GPUs' archs) to check builds")
     return "\n".join(lines)

@@ -215,3 +215,41 @@ def cache_max_size() -> int | None:
         return parse_size(value)
     except ValueError as exc:
         raise BadSettingError(f"{CACHE_MAX_SIZE}: {exc}.", f"correct or unset {CACHE_MAX_SIZE}.") from None
+
+
+def _raw(name: str) -> str | None:
+    return os.environ.get(name, "").strip() or None
+
+
+# Every variable above with its effective value and what its default means, for `sglang-hicache-jit info`.
+# CUDA_HOME, CUDA_PATH and CXX choose build tools and are read (and reported) by toolchain.py.
+_DESCRIBED = (
+    (CACHE_DIR, lambda: str(cache_root()), "platformdirs' user cache directory"),
+    (ARCH, lambda: _raw(ARCH), f"unset: {TORCH_ARCH_LIST}, else the current GPU"),
+    (TORCH_ARCH_LIST, lambda: _raw(TORCH_ARCH_LIST), "unset: the current GPU"),
+    (DISABLE, disabled, "off"),
+    (STRICT, strict, "off"),
+    (METHOD, method, "auto"),
+    (LOCK_TIMEOUT, lock_timeout, "3600 s"),
+    (BUILD_JOBS, build_jobs, "torch's choice"),
+    (PREBUILT_DIRS, prebuilt_dirs, "no prebuilt layers"),
+    (CACHE_MAX_SIZE, cache_max_size, "no size cap"),
+    (LOCK_DIR, lambda: str(lock_dir()) if lock_dir() else None, "<cache>/v1/.locks"),
+    (TRUSTED_OWNERS, lambda: sorted(trusted_owners()), "root and this user only"),
+    (SGLANG_PLUGIN, sglang_plugin_enabled, "on"),
+)
+
+
+def effective() -> list[dict]:
+    """Each setting: ``variable``, effective ``value``, ``source`` ('env' when the variable is set,
+    else 'default'), what the ``default`` is, and ``error`` for a value that does not parse."""
+    described = []
+    for name, read, default in _DESCRIBED:
+        record = {"variable": name, "value": None, "source": "env" if _raw(name) else "default",
+                  "default": default, "error": None}
+        try:
+            record["value"] = read()
+        except ValueError as exc:  # BadSettingError is one too
+            record["error"] = str(exc)
+        described.append(record)
+    return described

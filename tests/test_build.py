@@ -37,7 +37,9 @@ def _cli(*args, env, timeout=300, cwd=ROOT):
 def _prewarm_json(env, **kw):
     out = _cli("prewarm", "--arch", ARCH, "--json", env=env, **kw)
     assert out.returncode == 0, out.stdout + out.stderr
-    (record,) = json.loads(out.stdout)
+    document = json.loads(out.stdout)
+    assert document["schema"] == 1 and document["ok"] is True
+    (record,) = document["results"]
     return record
 
 
@@ -74,10 +76,10 @@ def test_eight_concurrent_prewarms_build_once(tmp_path):
              for _ in range(8)]
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [r[1][-2000:] for r in results]
-    actions = sorted(json.loads(out)[0]["action"] for out, _ in results)
+    actions = sorted(json.loads(out)["results"][0]["action"] for out, _ in results)
     assert actions.count("built") == 1, actions
     assert set(actions) <= {"built", "waited", "cached"}
-    assert len({json.loads(out)[0]["path"] for out, _ in results}) == 1
+    assert len({json.loads(out)["results"][0]["path"] for out, _ in results}) == 1
 
 
 def test_sigkilled_builder_does_not_wedge_the_next_one(tmp_path):

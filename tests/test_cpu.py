@@ -102,7 +102,8 @@ def test_cli_info_json_and_help():
     out = _run_cli("info", "--json")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
-    assert info["package"] and "cache_root" in info["settings"]
+    assert info["schema"] == 1 and info["package"]
+    assert "SGLANG_HICACHE_JIT_CACHE_DIR" in {s["variable"] for s in info["settings"]}
     assert _run_cli("--help").returncode == 0
 
 
@@ -111,7 +112,9 @@ def test_cli_check_without_gpu_fails_with_the_code():
     out = _run_cli("check")
     assert out.returncode == 1 and out.stdout.startswith("no_cuda_device:")
     out = _run_cli("check", "--json")
-    assert json.loads(out.stdout)["code"] == "no_cuda_device"
+    document = json.loads(out.stdout)
+    assert document["schema"] == 1 and document["ok"] is False
+    assert document["results"][0]["code"] == "no_cuda_device"
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU answer")

@@ -139,7 +139,7 @@ def test_read_only_layer_loads_without_compiling_and_a_missing_arch_builds_into_
     assert loaded["prebuilt"] and loaded["path"].startswith(str(layer))
     out = cli("prewarm", "--arch", "9.0;8.0", "--json", env=env)
     assert out.returncode == 0, out.stderr
-    actions = {r["arch"]: (r["action"], r["path"]) for r in json.loads(out.stdout)}
+    actions = {r["arch"]: (r["action"], r["path"]) for r in json.loads(out.stdout)["results"]}
     assert actions["9.0"][0] == "prebuilt" and actions["9.0"][1].startswith(str(layer))
     assert actions["8.0"][0] == "built" and actions["8.0"][1].startswith(str(cache))
     assert snapshot(layer) == before and entry_dirs(cache) == [f"v1/sm80/{Path(actions['8.0'][1]).name}"]

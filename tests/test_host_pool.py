@@ -649,7 +649,7 @@ def test_demo_runs_on_cpu_and_verifies():
     report = json.loads(out.stdout)
     assert report["device"] == "cpu" and report["chosen_path"] == "direct"
     assert report["results"] and all(r["bit_exact"] for r in report["results"])
-    assert "no GPU" in report["note"]
+    assert "no GPU" in report["note"] and report["schema"] == 1
 
 
 def test_allocator_refuses_double_and_foreign_frees():

@@ -200,7 +200,7 @@ def main() -> int:
         results["concurrent_cold_s"] = time.perf_counter() - started
         if any(p.returncode for p in procs):
             raise SystemExit("a concurrent prewarm failed:\n" + "\n".join(err for _, err in outs))
-        actions = [json.loads(out)[0]["action"] for out, _ in outs]
+        actions = [json.loads(out)["results"][0]["action"] for out, _ in outs]
         results["concurrent_builds"] = actions.count("built")
 
         bundle = tmp / "bundle.tar.gz"
