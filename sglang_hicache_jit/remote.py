@@ -1,7 +1,7 @@
 """Prebuilt layers and bundles at fsspec URLs (s3://, gs://, http(s)://, memory://, ...).
 
-Needs the optional extra (``pip install 'sglang-hicache-jit[remote]'``, plus
-the filesystem's own package, e.g. s3fs). A remote layer has the layout of a
+Needs fsspec (installed with torch) and the filesystem's own package, e.g.
+s3fs or gcsfs. A remote layer has the layout of a
 local one (``<url>/v1/<arch tag>/<kernel>-<key>/...``; an unpacked bundle or a
 synced cache directory). A remote entry is never loaded where it lies: it is
 copied into a private staging directory of the local cache, verified exactly
@@ -55,7 +55,7 @@ def filesystem(url: str):
     except ImportError:
         raise RemoteError(
             f"{url} is an fsspec URL, but fsspec is not installed.",
-            "pip install 'sglang-hicache-jit[remote]' (and the filesystem's package, e.g. s3fs or gcsfs).",
+            "pip install fsspec (torch normally brings it) and the filesystem's package, e.g. s3fs or gcsfs.",
             code="no_fsspec",
         ) from None
     try:
