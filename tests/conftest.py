@@ -4,13 +4,18 @@
 * ``build`` tests run nvcc for a named arch (no GPU needed) and are skipped
   when no CUDA toolkit is installed.
 
+* ``slow`` tests (a stress run, extra real builds) are left out of the
+  default run by pyproject.toml; ``python3 -m pytest -q -m slow`` runs them.
+
 Every test session gets its own cache root (SGLANG_HICACHE_JIT_CACHE_DIR), so
 tests never touch a user's cache; one build of the kernels is shared by all
-tests of the session.
+tests of the session. Nothing is written into the checkout: hypothesis keeps
+its example database in the temporary directory, not in ./.hypothesis.
 """
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +23,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
+
+try:
+    from hypothesis import settings as hypothesis_settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
+except ImportError:  # only test_host_pool.py needs hypothesis
+    pass
+else:
+    hypothesis_settings.register_profile("hicache", database=DirectoryBasedExampleDatabase(
+        os.path.join(tempfile.gettempdir(), f"sglang-hicache-jit-hypothesis-{os.getuid()}")))
+    hypothesis_settings.load_profile("hicache")
 
 
 def _has_gpu() -> bool:

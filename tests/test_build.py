@@ -1,10 +1,14 @@
 """Real builds with nvcc for arch 9.0 (no GPU needed): the loader's contract.
 
-Marked ``build``; skipped when no CUDA toolkit is installed.
+Marked ``build``; skipped when no CUDA toolkit is installed. The default run
+keeps the tests that share the session's one build; those that need builds
+of their own are also marked ``slow``.
 """
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,9 +49,16 @@ def _prewarm_json(env, **kw):
 
 def test_prewarm_then_warm_load_runs_no_subprocess(session_cache):
     env = _env(session_cache)
-    record = _prewarm_json(env)
+    out = _cli("prewarm", "--arch", ARCH, "--json", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (record,) = json.loads(out.stdout)["results"]
     assert record["action"] in ("built", "cached") and record["kernel"] == "hicache_transfer"
     assert Path(record["path"], "manifest.json").is_file()
+    if record["action"] == "built":  # the first build of the session: its progress was shown, its log kept
+        steps = re.findall(r"compiling hicache_transfer for sm90: \[(\d+)/(\d+)\]", out.stderr)
+        assert steps and steps[-1][0] == steps[-1][1], out.stderr
+        kept = Path(record["path"], "build.log")
+        assert out.stderr.rstrip().endswith(f"build log: {kept}") and kept.is_file(), out.stderr
     # A fresh process loads the published library without ninja, nvcc or any subprocess.
     probe = (
         "import subprocess, time, torch\n"
@@ -63,12 +74,14 @@ def test_prewarm_then_warm_load_runs_no_subprocess(session_cache):
     assert out.stdout.split()[0] == str(Path(record["path"]) / json.load(open(Path(record["path"], "manifest.json")))["library"])
 
 
+@pytest.mark.slow  # a second real build (8.0)
 def test_two_arch_builds_load_side_by_side_in_one_process(session_cache):
     out = _cli("check", "--arch", "8.0;9.0", env=_env(session_cache))
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("ok: built and loadable") == 2
 
 
+@pytest.mark.slow  # a build of its own, 8 processes importing torch
 def test_eight_concurrent_prewarms_build_once(tmp_path):
     env = _env(tmp_path / "cache")
     procs = [subprocess.Popen([sys.executable, "-m", "sglang_hicache_jit", "prewarm", "--arch", ARCH, "--json"],
@@ -82,6 +95,7 @@ def test_eight_concurrent_prewarms_build_once(tmp_path):
     assert len({json.loads(out)["results"][0]["path"] for out, _ in results}) == 1
 
 
+@pytest.mark.slow  # one and a half builds of its own
 def test_sigkilled_builder_does_not_wedge_the_next_one(tmp_path):
     cache = tmp_path / "cache"
     env = _env(cache)
@@ -101,6 +115,7 @@ def test_sigkilled_builder_does_not_wedge_the_next_one(tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow  # two builds of its own
 def test_truncated_library_is_rebuilt_not_loaded(tmp_path):
     env = _env(tmp_path / "cache")
     first = _prewarm_json(env)
@@ -147,6 +162,7 @@ def test_failed_build_is_remembered_until_cleaned(tmp_path, monkeypatch):
     assert out.returncode == 0 and not log.exists()
 
 
+@pytest.mark.slow  # a build (compile and failing link) of its own
 def test_unresolved_symbol_fails_the_build_not_the_load(tmp_path, monkeypatch):
     # The builder no longer loads the library (that meant importing torch); the link refuses
     # undefined symbols instead (-z defs). Without libtorch_cuda the binding's
@@ -158,6 +174,7 @@ def test_unresolved_symbol_fails_the_build_not_the_load(tmp_path, monkeypatch):
     assert "undefined reference" in Path(failed.value.log_path).read_text()
 
 
+@pytest.mark.slow  # a build of its own
 def test_build_child_imports_no_torch(tmp_path):
     # Importing torch cost the build child 1.5-3 s on a 2-core machine, as long as the compile itself.
     env = _env(tmp_path / "cache")
@@ -169,10 +186,16 @@ def test_build_child_imports_no_torch(tmp_path):
     assert "json" in imported and "torch" not in imported
 
 
+@pytest.mark.slow  # pip wheel, then a build of its own
 def test_wheel_install_carries_the_kernel_sources(tmp_path):
+    # Built from a copy: setuptools writes build/ and *.egg-info into the tree it builds, and tests leave the
+    # checkout as they found it.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
+                                                               ".hypothesis", ".pytest_cache", ".venv", ".whl"))
     dist = tmp_path / "dist"
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist),
-                            str(ROOT)], capture_output=True, text=True, timeout=300)
+                            str(source)], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = dist.glob("sglang_hicache_jit-*.whl")
     site = tmp_path / "site"

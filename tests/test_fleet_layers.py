@@ -125,6 +125,7 @@ def test_unreachable_remote_layer_does_not_stop_the_cache(tmp_path, monkeypatch)
 
 
 @pytest.mark.build
+@pytest.mark.slow  # a second real build (8.0)
 def test_read_only_layer_loads_without_compiling_and_a_missing_arch_builds_into_the_cache(session_cache, tmp_path):
     bundle = tmp_path / "b.tar.gz"
     assert cli("export", "--arch", "9.0", "-o", str(bundle), env=env_for(session_cache)).returncode == 0
