@@ -649,7 +649,8 @@ def test_demo_runs_on_cpu_and_verifies():
     report = json.loads(out.stdout)
     assert report["device"] == "cpu" and report["chosen_path"] == "direct"
     assert report["results"] and all(r["bit_exact"] for r in report["results"])
-    assert "no GPU" in report["note"] and report["schema"] == 1
+    assert "no GPU" in report["note"] and report["schema"] == 1 and report["rates_meaningful"] is False
+    assert "WARNING" not in out.stderr.upper(), out.stderr  # the first thing a new user runs is quiet
 
 
 def test_allocator_refuses_double_and_foreign_frees():
