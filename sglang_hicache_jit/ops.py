@@ -7,7 +7,7 @@ buffer is fine: its slot stride is larger than its row). One side is a CUDA
 tensor, the other a CUDA tensor or pinned CPU memory; the kernel reads and
 writes host memory directly, so pageable CPU memory is refused.
 
-Index rules (DESIGN.md section 5): int32 or int64, 1-D, equal lengths; CPU
+Index rules (docs/concepts.md, "The index contract"): int32 or int64, 1-D, equal lengths; CPU
 indices are copied to the GPU without a host sync; a negative index skips its
 pair; an index past the end of its pool is never read or written: the kernel
 skips the row and the next op on that device (or ``check_errors``) raises

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Loader timings (issues 2, 5 and 10), on CPU: no GPU needed, the arch is named.
+"""Loader timings, on CPU: no GPU needed, the arch is named.
 
     cold build        wall of `prewarm --arch A` on an empty cache (one process; best of --cold-runs)
     cold breakdown    the same build in an instrumented process (best of --cold-runs by wall): interpreter

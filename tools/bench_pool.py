@@ -3,7 +3,7 @@
 direct (copy-engine) path against the ceiling, and both beside a saturating
 matrix multiply.
 
-Workload (DESIGN.md section 7, mla-bf16): DeepSeek-V3 MLA rows of 1152 B, a
+Workload (docs/BENCHMARKS.md, "Workloads": mla-bf16): DeepSeek-V3 MLA rows of 1152 B, a
 ``page_first`` host pool of 512K token slots x 8 layers, a 256K-slot device
 pool, page 64, 16K tokens of random whole pages (host pages sorted). Random
 bytes everywhere; every provider's result is checked bit-exactly once before
