@@ -10,7 +10,8 @@
 Every test session gets its own cache root (SGLANG_HICACHE_JIT_CACHE_DIR), so
 tests never touch a user's cache; one build of the kernels is shared by all
 tests of the session. Nothing is written into the checkout: hypothesis keeps
-its example database in the temporary directory, not in ./.hypothesis.
+its files in the temporary directory, not in ./.hypothesis (pyproject.toml
+also turns off pytest's cache and pytest-benchmark's .benchmarks).
 """
 
 import os
@@ -25,14 +26,12 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 try:
-    from hypothesis import settings as hypothesis_settings
-    from hypothesis.database import DirectoryBasedExampleDatabase
+    from hypothesis.configuration import set_hypothesis_home_dir
 except ImportError:  # only test_host_pool.py needs hypothesis
     pass
 else:
-    hypothesis_settings.register_profile("hicache", database=DirectoryBasedExampleDatabase(
-        os.path.join(tempfile.gettempdir(), f"sglang-hicache-jit-hypothesis-{os.getuid()}")))
-    hypothesis_settings.load_profile("hicache")
+    # Its example database and its other caches (not only the database setting) live under this directory.
+    set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), f"sglang-hicache-jit-hypothesis-{os.getuid()}"))
 
 
 def _has_gpu() -> bool:
