@@ -118,6 +118,7 @@ def _cell_failures(records):
     return [f"{r['cell']}: {r['error']}\n{r.get('trace', '')}" for r in records if "cell" in r and not r["ok"]]
 
 
+@pytest.mark.slow  # a fresh process importing sglang: ~15 s on 2 cores
 def test_plugin_is_discovered_and_every_pool_builds(upstream):
     proc, records = _run_cells("construct")
     assert records, proc.stderr[-3000:]
@@ -156,6 +157,7 @@ def _who_runs(env):
     return out.stdout.split(), out.stderr
 
 
+@pytest.mark.slow  # a fresh process importing sglang: ~15 s on 2 cores
 @pytest.mark.parametrize("env", [{"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0"}, {"SGLANG_PLUGINS": "someone_else"}])
 def test_plugin_can_be_turned_off(upstream, env):
     names, _ = _who_runs(env)
@@ -163,6 +165,7 @@ def test_plugin_can_be_turned_off(upstream, env):
                      "sglang.kernels.ops.kvcache.hicache"]
 
 
+@pytest.mark.slow  # a fresh process importing sglang: ~15 s on 2 cores
 def test_plugin_routes_pool_modules_to_this_package(upstream):
     names, log = _who_runs({})
     assert names == ["sglang_hicache_jit.integrations.sglang_ops"] * 4
