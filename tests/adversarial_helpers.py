@@ -24,6 +24,7 @@ import ctypes, json, pwd, tarfile, tempfile, shutil, gzip, zlib, decimal, hashli
 import torch, filelock, platformdirs  # noqa
 import sglang_hicache_jit.cli, sglang_hicache_jit.loader, sglang_hicache_jit.doctor  # noqa
 import sglang_hicache_jit.bundle, sglang_hicache_jit.prune, sglang_hicache_jit.remote  # noqa
+import sglang_hicache_jit.benchmark  # noqa  (the CLI's parser holds bench's options)
 from sglang_hicache_jit import spec, toolchain
 spec.kernels_dir(); toolchain.torch_info()
 uid = int(sys.argv[1])

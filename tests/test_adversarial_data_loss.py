@@ -75,7 +75,8 @@ def test_a_manifest_of_the_wrong_shape_is_a_corrupt_entry_everywhere(cache, caps
     code, out, err = run_main(capsys, "info")
     assert code == 0 and "INVALID" in out, out + err
     code, out, err = run_main(capsys, "info", "--json")
-    assert code == 0 and json.loads(out)["entries"][0]["valid"] is False
+    (layer,) = [layer for layer in json.loads(out)["layers"] if layer["kind"] == "cache"]
+    assert code == 0 and layer["entries"][0]["valid"] is False
     code, out, err = run_main(capsys, "doctor", "--arch", "9.0")
     assert "Traceback" not in err and "cache entries" in out and "1 corrupt" in out, out
     code, out, err = run_main(capsys, "prune")
