@@ -231,7 +231,7 @@ _DESCRIBED = (
     (STRICT, strict, "off"),
     (METHOD, method, "auto"),
     (LOCK_TIMEOUT, lock_timeout, "3600 s"),
-    (BUILD_JOBS, build_jobs, "torch's choice"),
+    (BUILD_JOBS, build_jobs, "ninja's choice (CPUs + 2)"),
     (PREBUILT_DIRS, prebuilt_dirs, "no prebuilt layers"),
     (CACHE_MAX_SIZE, cache_max_size, "no size cap"),
     (LOCK_DIR, lambda: str(lock_dir()) if lock_dir() else None, "<cache>/v1/.locks"),
