@@ -69,6 +69,7 @@ def main() -> int:
     args = parser.parse_args()
 
     copy = Path(tempfile.mkdtemp(prefix="hicache-time-tests-"))
+    os.chmod(copy, 0o755)  # as readable as a checkout: some tests run the package as another user
     try:
         for name in checkout_files(ROOT):
             (copy / name).parent.mkdir(parents=True, exist_ok=True)
