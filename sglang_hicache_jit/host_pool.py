@@ -27,7 +27,7 @@ buffer as flat rows starting at layer l's first row and maps each host token
 index ``t`` to ``(t // P) * L * P + t % P``; both paths then see a plain
 strided layer. Layer sharding: a device pool with ``owned_layers=(start,
 end)`` gets ``end - start`` host layers; device layer ``l`` lives in host layer
-``l - start`` and other layers are skipped (DESIGN.md section 4).
+``l - start`` and other layers are skipped (docs/concepts.md, layer sharding).
 """
 
 from __future__ import annotations
