@@ -226,3 +226,18 @@ def test_every_cell_bit_exact_on_gpu(upstream, disable):
     assert records[-1]["summary"] == {"cells": 56, "failed": 0}
     paths = {p for r in records if "path" in r for p in r["path"].values()}
     assert paths == ({"direct"} if disable == "1" else {"kernel"}), paths
+
+
+@pytest.mark.parametrize("env, active", [({}, True), ({"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0"}, False),
+                                         ({"SGLANG_PLUGINS": "someone_else"}, False),
+                                         ({"SGLANG_PLUGINS": "someone_else,hicache_jit"}, True)])
+def test_info_says_whether_sglang_will_run_the_plugin(upstream, monkeypatch, env, active):
+    from sglang_hicache_jit.integrations import sglang as plugin
+
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    described = plugin.describe()
+    assert described["entry_point"] == "hicache_jit"  # the package is installed, not just on the path
+    assert described["sglang"] == "0.5.23"
+    assert described["active"] is active

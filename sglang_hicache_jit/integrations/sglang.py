@@ -162,6 +162,25 @@ def _register() -> None:
              "".join(f"\n  skipped {t}: {why}" for t, why in status["skipped"]))
 
 
+def describe() -> dict:
+    """What SGLang would do with this plugin here, without importing SGLang (for `info`)."""
+    import os
+    from importlib.metadata import PackageNotFoundError, entry_points, version
+
+    try:
+        sglang_version = version("sglang")
+    except PackageNotFoundError:
+        sglang_version = None
+    ours = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.value == f"{__name__}:register"]
+    name = ours[0].name if ours else None
+    whitelist = [n.strip() for n in os.environ.get("SGLANG_PLUGINS", "").split(",") if n.strip()]
+    enabled = settings.sglang_plugin_enabled()
+    allowed = not whitelist or name in whitelist
+    return {"sglang": sglang_version, "tested_with": TESTED_SGLANG, "entry_point": name,
+            "switch": enabled, "sglang_plugins": whitelist or None,
+            "active": bool(sglang_version and name and enabled and allowed)}
+
+
 def reload_for_tests() -> None:
     """Forgets what register() did (the hooks themselves stay applied)."""
     status.update(registered=False, patched=[], skipped=[], reason="")
