@@ -241,3 +241,19 @@ def test_info_says_whether_sglang_will_run_the_plugin(upstream, monkeypatch, env
     assert described["entry_point"] == "hicache_jit"  # the package is installed, not just on the path
     assert described["sglang"] == "0.5.23"
     assert described["active"] is active
+
+
+def test_plugin_stands_aside_on_a_non_cuda_torch(upstream, monkeypatch, caplog):
+    import torch
+
+    from sglang_hicache_jit.integrations import sglang as plugin
+
+    saved = dict(plugin.status)
+    plugin.reload_for_tests()
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    try:
+        plugin.register()
+        assert plugin.status["registered"] is False and plugin.status["patched"] == []
+        assert "not a CUDA build" in plugin.status["reason"]
+    finally:
+        plugin.status.update(saved)

@@ -139,6 +139,14 @@ def _register() -> None:
         status["reason"] = f"{settings.SGLANG_PLUGIN}=0"
         log.info("sglang-hicache-jit: plugin off (%s); SGLang runs unchanged", status["reason"])
         return
+    import torch
+
+    if torch.version.cuda is None or getattr(torch.version, "hip", None):
+        # The kernels and the copy-engine path are CUDA's: on ROCm, XPU or NPU builds of torch
+        # SGLang keeps its own transfers.
+        status["reason"] = "torch is not a CUDA build (this package's transfers are CUDA-only)"
+        log.info("sglang-hicache-jit: plugin not applied: %s; SGLang runs unchanged", status["reason"])
+        return
     from importlib.metadata import PackageNotFoundError, version
 
     try:
