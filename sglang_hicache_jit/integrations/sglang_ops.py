@@ -256,7 +256,8 @@ def transfer_hicache_all_layer_mla(
           indices_src)
 
 
-def _staged_pairs(ptr_src, dst, size, layout_dim) -> list:
+def _staged_pairs(ptr_src, dst, size) -> list:
+    """(host layer rows, raw device rows) per layer of a staged write-back, for the copy engines."""
     device = ptr_src.device.index
     layers = dst.view(dst.shape[0], dst.shape[1], -1)
     return [(layers[:, layer], direct.Rows.at(src, size, size, device))
@@ -278,13 +279,13 @@ def transfer_hicache_all_layer_staged_lf_pf(
     unroll: int | None = None,
     block_quota: int | None = None,
 ) -> None:
-    size, layout_dim = compat.staged_geometry(staging_k, dst_k, element_size)
+    size, _ = compat.staged_geometry(staging_k, dst_k, element_size)
     if kernel_available(size):
         compat.transfer_hicache_all_layer_staged_lf_pf(k_ptr_src, v_ptr_src, src_indices, dst_indices, staging_k,
                                                        staging_v, dst_k, dst_v, page_size=page_size,
                                                        element_size=size, block_quota=block_quota)
         return
-    _copy(_staged_pairs(k_ptr_src, dst_k, size, layout_dim) + _staged_pairs(v_ptr_src, dst_v, size, layout_dim),
+    _copy(_staged_pairs(k_ptr_src, dst_k, size) + _staged_pairs(v_ptr_src, dst_v, size),
           dst_indices, src_indices)
 
 
@@ -300,13 +301,13 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(
     unroll: int | None = None,
     block_quota: int | None = None,
 ) -> None:
-    size, layout_dim = compat.staged_geometry(staging, dst, element_size)
+    size, _ = compat.staged_geometry(staging, dst, element_size)
     if kernel_available(size):
         compat.transfer_hicache_all_layer_mla_staged_lf_pf(ptr_src, src_indices, dst_indices, staging, dst,
                                                            page_size=page_size, element_size=size,
                                                            block_quota=block_quota)
         return
-    _copy(_staged_pairs(ptr_src, dst, size, layout_dim), dst_indices, src_indices)
+    _copy(_staged_pairs(ptr_src, dst, size), dst_indices, src_indices)
 
 
 HICACHE_OPS = (
