@@ -218,7 +218,11 @@ _host_tables: dict = {}
 
 
 def staged_geometry(staging: torch.Tensor, dst: torch.Tensor, element_size) -> tuple[int, int]:
-    """(row bytes, bytes per token across layers) of a staged write-back."""
+    """(row bytes, bytes per token across layers) of a staged write-back.
+
+    Upstream reads whole pages starting at ``src_indices[::page_size]``; for the
+    page-aligned indices its contract requires, copying token by token (as
+    below) moves the same bytes."""
     if dst.dim() < 3 or not dst.is_contiguous():
         raise ValueError(f"dst must be a contiguous page_first host buffer (slots, layers, ...), got shape "
                          f"{tuple(dst.shape)}")
@@ -227,12 +231,6 @@ def staged_geometry(staging: torch.Tensor, dst: torch.Tensor, element_size) -> t
     if size != row_bytes:
         raise ValueError(f"element_size is {size} bytes but a row of dst is {row_bytes} bytes")
     return size, dst.shape[1] * row_bytes
-
-
-def _token_indices(src_indices: torch.Tensor) -> torch.Tensor:
-    # Upstream reads whole pages starting at src_indices[::page_size]; for the
-    # page-aligned indices that contract requires, token by token is the same copy.
-    return src_indices
 
 
 def transfer_hicache_all_layer_staged_lf_pf(
@@ -254,7 +252,7 @@ def transfer_hicache_all_layer_staged_lf_pf(
     device, layers = k_ptr_src.device, dst_k.shape[1]
     ops.transfer_pointer_tables((host_layer_table(dst_k, layers, size, device),
                                  host_layer_table(dst_v, layers, size, device)), dst_indices,
-                                (k_ptr_src, v_ptr_src), _token_indices(src_indices), dst_stride_bytes=layout_dim,
+                                (k_ptr_src, v_ptr_src), src_indices, dst_stride_bytes=layout_dim,
                                 src_stride_bytes=size, element_size=size, block_quota=block_quota)
 
 
@@ -272,7 +270,7 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(
 ) -> None:
     size, layout_dim = staged_geometry(staging, dst, element_size)
     ops.transfer_pointer_tables(host_layer_table(dst, dst.shape[1], size, ptr_src.device), dst_indices, ptr_src,
-                                _token_indices(src_indices), dst_stride_bytes=layout_dim, src_stride_bytes=size,
+                                src_indices, dst_stride_bytes=layout_dim, src_stride_bytes=size,
                                 element_size=size, block_quota=block_quota)
 
 

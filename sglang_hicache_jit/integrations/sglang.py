@@ -24,7 +24,6 @@ Turn it off with ``SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0``, or leave
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import pkgutil
@@ -38,40 +37,30 @@ _HICACHE = "sglang.kernels.ops.kvcache.hicache"
 _KVCACHEIO = "sgl_kernel.kvcacheio"
 _POOLS = "sglang.srt.mem_cache.pool_host"
 
-# (target, hook name in sglang_pools, hook type) for pool methods.
+# Pool methods: (target, hook in sglang_pools, hook type, the parameters the target had in
+# sglang 0.5.23, or None where the hook passes everything through unchanged).
+_LOAD = ["self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend", "is_draft"]
+_BACKUP = ["self", "device_pool", "host_indices", "device_indices", "io_backend"]
 _POOL_HOOKS = (
-    (f"{_POOLS}.mla.MLATokenToKVPoolHost.load_to_device_per_layer", "load_to_device_per_layer", "AROUND"),
-    (f"{_POOLS}.mla.MLATokenToKVPoolHost.backup_from_device_all_layer", "backup_from_device_all_layer", "AROUND"),
+    (f"{_POOLS}.mla.MLATokenToKVPoolHost.load_to_device_per_layer", "load_to_device_per_layer", "AROUND", _LOAD),
+    (f"{_POOLS}.mla.MLATokenToKVPoolHost.backup_from_device_all_layer", "backup_from_device_all_layer", "AROUND",
+     _BACKUP),
     (f"{_POOLS}.mla.MLATokenToKVPoolHost._backup_from_device_per_layer", "mla_backup_from_device_per_layer",
-     "AROUND"),
-    (f"{_POOLS}.mha.MHATokenToKVPoolHost.load_to_device_per_layer", "load_to_device_per_layer", "AROUND"),
-    (f"{_POOLS}.mha.MHATokenToKVPoolHost.backup_from_device_all_layer", "backup_from_device_all_layer", "AROUND"),
-    (f"{_POOLS}.dsa.DSAIndexerPoolHost.load_to_device_per_layer", "dsa_load_to_device_per_layer", "AROUND"),
+     "AROUND", ["self", "host_indices", "device_indices", "layer_id", "io_backend", "is_draft"]),
+    (f"{_POOLS}.mha.MHATokenToKVPoolHost.load_to_device_per_layer", "load_to_device_per_layer", "AROUND", _LOAD),
+    (f"{_POOLS}.mha.MHATokenToKVPoolHost.backup_from_device_all_layer", "backup_from_device_all_layer", "AROUND",
+     _BACKUP),
+    (f"{_POOLS}.dsa.DSAIndexerPoolHost.load_to_device_per_layer", "dsa_load_to_device_per_layer", "AROUND", _LOAD),
     (f"{_POOLS}.dsa.DSAIndexerPoolHost.backup_from_device_all_layer", "dsa_backup_from_device_all_layer",
-     "AROUND"),
+     "AROUND", _BACKUP),
     (f"{_POOLS}.dsa.DSAIndexerPoolHost._backup_from_device_per_layer", "dsa_backup_from_device_per_layer",
-     "AROUND"),
-    (f"{_POOLS}.base.HostKVCache._require_packed_device_rows", "require_packed_device_rows", "AROUND"),
-    (f"{_POOLS}.mla.MLATokenToKVPoolHost._initialize_transfer_views", "describe_pool", "AFTER"),
-    (f"{_POOLS}.mha.MHATokenToKVPoolHost._initialize_transfer_views", "describe_pool", "AFTER"),
-    (f"{_POOLS}.dsa.DSAIndexerPoolHost._init_write_back_staging_buffers", "describe_pool", "AFTER"),
+     "AROUND", ["self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend", "is_draft"]),
+    (f"{_POOLS}.base.HostKVCache._require_packed_device_rows", "require_packed_device_rows", "AROUND",
+     ["self", "kernel"]),
+    (f"{_POOLS}.mla.MLATokenToKVPoolHost._initialize_transfer_views", "describe_pool", "AFTER", None),
+    (f"{_POOLS}.mha.MHATokenToKVPoolHost._initialize_transfer_views", "describe_pool", "AFTER", None),
+    (f"{_POOLS}.dsa.DSAIndexerPoolHost._init_write_back_staging_buffers", "describe_pool", "AFTER", None),
 )
-
-# The parameters each pool method had in sglang 0.5.23 (the hooks pass them on by position).
-_POOL_SIGNATURES = {
-    "load_to_device_per_layer": ["self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend",
-                                 "is_draft"],
-    "backup_from_device_all_layer": ["self", "device_pool", "host_indices", "device_indices", "io_backend"],
-    "_backup_from_device_per_layer": None,  # differs per class; checked against the class below
-    "_require_packed_device_rows": ["self", "kernel"],
-    "_initialize_transfer_views": None,
-    "_init_write_back_staging_buffers": None,
-}
-_PER_LAYER_BACKUP = {
-    "MLATokenToKVPoolHost": ["self", "host_indices", "device_indices", "layer_id", "io_backend", "is_draft"],
-    "DSAIndexerPoolHost": ["self", "device_pool", "host_indices", "device_indices", "layer_id", "io_backend",
-                           "is_draft"],
-}
 
 # What register() did in this process, for `sglang-hicache-jit info` and tests.
 status: dict = {"registered": False, "patched": [], "skipped": [], "reason": ""}
@@ -106,16 +95,12 @@ def _op_targets(ops_module) -> list[tuple[str, object]]:
 
 def _pool_targets(pools_module) -> list[tuple[str, object, str]]:
     chosen = []
-    for target, hook_name, hook_type in _POOL_HOOKS:
+    for target, hook_name, hook_type, expected in _POOL_HOOKS:
         try:
             original = _resolve(target)
         except Exception as exc:
             status["skipped"].append((target, f"not importable: {type(exc).__name__}: {exc}"))
             continue
-        method = target.rpartition(".")[2]
-        expected = _POOL_SIGNATURES.get(method)
-        if method == "_backup_from_device_per_layer":
-            expected = _PER_LAYER_BACKUP[target.rsplit(".", 2)[1]]
         if expected is not None and [name for name, _, _ in _params(original)] != expected:
             status["skipped"].append((target, "signature differs from sglang " + TESTED_SGLANG))
             continue
@@ -192,4 +177,3 @@ def describe() -> dict:
 def reload_for_tests() -> None:
     """Forgets what register() did (the hooks themselves stay applied)."""
     status.update(registered=False, patched=[], skipped=[], reason="")
-    importlib.invalidate_caches()

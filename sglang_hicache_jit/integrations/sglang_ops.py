@@ -81,10 +81,6 @@ def path_for(element_size: int) -> str:
     return "kernel" if kernel_available(element_size) else "direct"
 
 
-def _row_bytes(t: torch.Tensor, element_dim: int) -> int:
-    return element_dim * t.element_size()
-
-
 # ---------------------------------------------------------------------------
 # Copy-engine helpers.
 
@@ -175,7 +171,7 @@ def transfer_hicache_one_layer(
     page_size: int | None = None,
 ) -> None:
     element_dim = element_dim or k_cache_dst.size(-1)
-    if kernel_available(_row_bytes(k_cache_dst, element_dim)):
+    if kernel_available(element_dim * k_cache_dst.element_size()):
         # ops directly, not through compat: this is the per-layer hot path (one frame less).
         ops.transfer_one_layer(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src, indices_src,
                                element_dim=element_dim, block_quota=block_quota)

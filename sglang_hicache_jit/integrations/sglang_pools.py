@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from . import sglang_ops
 from .. import direct, ops
 
@@ -154,5 +152,5 @@ def _row_bytes_of(pool) -> int | None:
     if hasattr(pool, "element_dim"):
         return pool.element_dim * pool.dtype.itemsize
     if hasattr(pool, "indexer_page_stride_size"):
-        return pool.indexer_page_stride_size * torch.empty(0, dtype=pool.indexer_dtype).element_size()
+        return pool.indexer_page_stride_size * pool.indexer_dtype.itemsize
     return None
