@@ -77,6 +77,42 @@ int hicache_transfer_launch(const HicacheTransfer* transfer, void* stream, int* 
 // A readable message for a value returned by hicache_transfer_launch.
 const char* hicache_error_string(int code);
 
+
+// ---- Resident copies (hicache_resident.cu) ----------------------------------
+//
+// A few CTAs stay resident on the GPU and take transfers from a queue, so a
+// transfer needs no kernel launch and never waits for SMs that other work
+// holds. Stream order is kept without SMs: hicache_resident_submit enqueues on
+// `stream` a memory write that releases the transfer once the stream's earlier
+// work is done, then a wait that holds the stream's later work until the
+// resident CTAs report it finished. The kernel exits after idle_us without
+// work (a device-wide synchronize waits at most that long for it) and is
+// relaunched by the next submit.
+typedef struct HicacheResident HicacheResident;
+
+// Bits or'ed into *method_used by hicache_resident_submit.
+enum { HICACHE_RESIDENT_QUEUED = 16 };  // went through the queue (else launched as usual)
+
+// Creates the queue for the current device: `blocks` resident CTAs (1 to the
+// SM count), `queue_slots` entries (1..256), exiting after `idle_us` idle.
+// Returns 0 or an error (see hicache_error_string); -4: the driver lacks
+// 64-bit stream memory operations.
+int hicache_resident_create(int blocks, int queue_slots, int64_t idle_us, HicacheResident** out);
+
+// Like hicache_transfer_launch, through the queue. Falls back to an ordinary
+// launch on `stream` (same order guarantees) while the stream is being
+// captured into a CUDA graph, when the queue is full, or for a transfer too
+// large for one queue entry.
+int hicache_resident_submit(HicacheResident* r, const HicacheTransfer* transfer, void* stream, int* method_used);
+
+// Counters since creation: [0] kernel launches, [1] transfers queued,
+// [2] fallbacks to an ordinary launch, [3] transfers finished.
+void hicache_resident_stats(const HicacheResident* r, uint64_t out[4]);
+
+// Waits (at most timeout_ms) for queued transfers whose streams have reached
+// them, stops the kernel, waits for it to exit and frees the queue.
+int hicache_resident_destroy(HicacheResident* r, int64_t timeout_ms);
+
 #ifdef __cplusplus
 }
 #endif

@@ -26,8 +26,8 @@ from .arch import Arch, archs_tag
 from .toolchain import torch_info
 
 KERNEL = "hicache_transfer"
-SOURCES = ("hicache_transfer.cu", "binding.cpp")
-HEADERS = ("hicache_transfer.h",)
+SOURCES = ("hicache_transfer.cu", "hicache_resident.cu", "binding.cpp")
+HEADERS = ("hicache_transfer.h", "hicache_copy.cuh")
 # build.py runs nvcc, c++ and the link itself (not torch.utils.cpp_extension), so these are the whole
 # flags and all of them are in the key. The .cu is torch-free and built as C++17: C++20's standard
 # headers cost nvcc's host passes about 0.5 s here and change no machine code (same SASS). The
