@@ -17,6 +17,7 @@ host before launching instead (this synchronizes when indices are on the GPU).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import math
 import threading
@@ -32,7 +33,11 @@ from .errors import ArchUnsupportedError, TransferIndexError
 # reference only: the kernel's kDefaultBulkBlocks / kDefaultPlainBlocks decide.
 DEFAULT_BLOCK_QUOTA = {"bulk": 4, "plain": 8}
 _METHODS = {"auto": 0, "plain": 1, "bulk": 2}
-METHOD_NAMES = {1: "plain", 2: "bulk"}
+METHOD_NAMES = {1: "plain", 2: "bulk", 17: "resident-plain", 18: "resident-bulk"}
+# Or'ed into a method code: submit through the resident kernel's queue
+# (HICACHE_RESIDENT_QUEUED in kernels/hicache_transfer.h).
+_RESIDENT = 16
+RESIDENT_QUEUE_SLOTS = 64
 
 # Bulk-copy tuning passed to the kernel; 0 keeps the kernel's measured default.
 # Benchmarks change these through set_tuning(); see docs/kernels.md.
@@ -96,6 +101,7 @@ class _DeviceState:
         self._launch_c = _c_launcher(self.library.handle)
         self._method_used = ctypes.c_int(0)
         self._method_used_ref = ctypes.byref(self._method_used)
+        self.resident = None  # the resident kernel's queue (a C pointer), created by the first resident transfer
 
     def launch(self, idx_src: torch.Tensor, idx_dst: torch.Tensor, *args) -> int:
         """One copy on the current stream of this device; returns the method that ran.
@@ -105,7 +111,9 @@ class _DeviceState:
         22 arguments costs ~10 us of host time in the dispatcher, ctypes ~2 us,
         and small transfers are bound by host time. The op stays the fallback.
         """
-        if self._launch_c is None:
+        if self._launch_c is None:  # a library without the C entry points: no resident queue either
+            args = list(args)
+            args[16] &= ~_RESIDENT
             return self.transfer(idx_src, idx_dst, *args)
         (src_base0, src_base1, dst_base0, dst_base1, src_table0, src_table1, dst_table0, dst_table1, num_caches,
          num_layers, src_stride, dst_stride, row_bytes, src_rows, dst_rows, num_blocks, method, bulk_warps,
@@ -115,15 +123,77 @@ class _DeviceState:
                           idx_src.numel(), src_stride, dst_stride, row_bytes, src_rows, dst_rows, num_blocks, method,
                           bulk_warps, read_align, error_flags)
         launch, ref = self._launch_c, self._method_used_ref
+        if method & _RESIDENT:
+            spec.method = method & ~_RESIDENT
+            return self._submit_resident(spec)
         if torch.cuda.current_device() == self.device:
             err = launch(ctypes.byref(spec), _raw_stream(self.device), ref)
         else:
             with torch.cuda.device(self.device):
                 err = launch(ctypes.byref(spec), _raw_stream(self.device), ref)
         if err:
-            message = self.library.handle.hicache_error_string(err)
-            raise RuntimeError(f"hicache transfer: {message.decode() if message else err}")
+            raise RuntimeError(f"hicache transfer: {self._error_string(err)}")
         return self._method_used.value
+
+    def _error_string(self, err: int) -> str:
+        message = self.library.handle.hicache_error_string(err)
+        return message.decode() if message else str(err)
+
+    def _submit_resident(self, spec) -> int:
+        with torch.cuda.device(self.device):
+            queue = self._resident_queue()
+            err = self.library.handle.hicache_resident_submit(queue, ctypes.byref(spec), _raw_stream(self.device),
+                                                              self._method_used_ref)
+        if err:
+            raise RuntimeError(f"hicache transfer (resident): {self._error_string(err)}")
+        return self._method_used.value
+
+    def _resident_queue(self) -> int:
+        """The resident kernel's queue on this device, created at first use."""
+        queue = self.resident
+        if queue is None:
+            with _states_lock:
+                queue = self.resident
+                if queue is None:
+                    handle = self.library.handle
+                    _resident_signatures(handle)
+                    out = ctypes.c_void_p()
+                    err = handle.hicache_resident_create(settings.resident_blocks(), RESIDENT_QUEUE_SLOTS,
+                                                         settings.resident_idle_us(), ctypes.byref(out))
+                    if err:
+                        raise RuntimeError(f"the resident method is unavailable on cuda:{self.device}: "
+                                           f"{self._error_string(err)}. Use method 'auto' instead.")
+                    queue = self.resident = out.value
+        return queue
+
+    def stop_resident(self, timeout_ms: int = 2000) -> None:
+        with _states_lock:
+            queue, self.resident = self.resident, None
+        if queue is not None:
+            with torch.cuda.device(self.device):
+                err = self.library.handle.hicache_resident_destroy(queue, timeout_ms)
+            if err:
+                raise RuntimeError(f"stopping the resident copy kernel on cuda:{self.device}: {self._error_string(err)}")
+
+    def resident_stats(self) -> dict | None:
+        if self.resident is None:
+            return None
+        out = (ctypes.c_uint64 * 4)()
+        self.library.handle.hicache_resident_stats(self.resident, out)
+        return dict(launches=out[0], queued=out[1], fallbacks=out[2], finished=out[3])
+
+
+def _resident_signatures(handle) -> None:
+    handle.hicache_resident_create.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                               ctypes.POINTER(ctypes.c_void_p)]
+    handle.hicache_resident_create.restype = ctypes.c_int
+    handle.hicache_resident_submit.argtypes = [ctypes.c_void_p, ctypes.POINTER(_CTransfer), ctypes.c_void_p,
+                                               ctypes.POINTER(ctypes.c_int)]
+    handle.hicache_resident_submit.restype = ctypes.c_int
+    handle.hicache_resident_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
+    handle.hicache_resident_stats.restype = None
+    handle.hicache_resident_destroy.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    handle.hicache_resident_destroy.restype = ctypes.c_int
 
 
 class _CTransfer(ctypes.Structure):
@@ -203,6 +273,40 @@ def check_errors(device: int | torch.device | None = None, *, synchronize: bool 
     if synchronize:
         torch.cuda.synchronize(index)
     _raise_reported(state)
+
+
+def stop_resident(device: int | torch.device | None = None) -> None:
+    """Stops the resident copy kernel (method 'resident') and gives its SMs back.
+
+    Queued transfers finish first (up to 2 s for streams still behind them).
+    ``device=None`` stops it on every device. The next resident transfer
+    starts it again. Called at interpreter exit.
+    """
+    if device is None:
+        states = list(_states.values())
+    else:
+        index = torch.device("cuda", device).index if not isinstance(device, torch.device) else device.index
+        states = [_states[index]] if index in _states else []
+    for state in states:
+        state.stop_resident()
+
+
+def resident_stats(device: int | None = None) -> dict | None:
+    """The resident queue's counters on ``device`` (launches of the resident
+    kernel, transfers queued, fallbacks to an ordinary launch, transfers
+    finished), or None when it is not running there."""
+    state = _states.get(torch.cuda.current_device() if device is None else device)
+    return state.resident_stats() if state is not None else None
+
+
+def _stop_all_resident() -> None:
+    try:
+        stop_resident()
+    except Exception:  # at exit the CUDA context may already be gone; nothing is left to protect
+        pass
+
+
+atexit.register(_stop_all_resident)
 
 
 class _Side:
@@ -374,14 +478,19 @@ def _quota(block_quota) -> int:
 def _method_code(method, to_device: bool) -> int:
     """Measured policy for 'auto': the bulk engine for host -> GPU (plain loads
     from host memory stall a few SMs), plain loads/stores otherwise (they
-    keep scattered host writes fast where bulk stores do not)."""
+    keep scattered host writes fast where bulk stores do not). 'resident'
+    applies the same policy inside the resident kernel."""
     name = _settings["method"] if method is None else method
     if name == "auto":
         return _METHODS["auto"] if to_device else _METHODS["plain"]
+    if name == "resident":
+        return _RESIDENT | (_METHODS["auto"] if to_device else _METHODS["plain"])
+    if name in ("resident-plain", "resident-bulk"):  # for benchmarks: the method inside the resident kernel
+        return _RESIDENT | _METHODS[name[9:]]
     try:
         return _METHODS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"method must be one of {', '.join(_METHODS)}, got {method!r}") from None
+        raise ValueError(f"method must be one of {', '.join(settings.METHODS)}, got {method!r}") from None
 
 
 def _launch(device: int, indices_dst, indices_src, *, dst_bases, src_bases, dst_tables, src_tables,

@@ -27,6 +27,10 @@ LOCK_DIR = "SGLANG_HICACHE_JIT_LOCK_DIR"
 TRUSTED_OWNERS = "SGLANG_HICACHE_JIT_TRUSTED_OWNERS"
 TORCH_ARCH_LIST = "TORCH_CUDA_ARCH_LIST"
 SGLANG_PLUGIN = "SGLANG_HICACHE_JIT_SGLANG_PLUGIN"
+RESIDENT_BLOCKS = "SGLANG_HICACHE_JIT_RESIDENT_BLOCKS"
+RESIDENT_IDLE_US = "SGLANG_HICACHE_JIT_RESIDENT_IDLE_US"
+
+METHODS = ("auto", "plain", "bulk", "resident")
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -101,11 +105,34 @@ def strict() -> bool:
 
 
 def method() -> str:
-    """Copy method for the kernels: auto (default), plain or bulk."""
+    """Copy method for the kernels: auto (default), plain, bulk or resident."""
     value = os.environ.get(METHOD, "auto").strip().lower() or "auto"
-    if value not in ("auto", "plain", "bulk"):
-        raise bad(METHOD, value, "it must be one of auto, plain, bulk")
+    if value not in METHODS:
+        raise bad(METHOD, value, f"it must be one of {', '.join(METHODS)}")
     return value
+
+
+def _whole_number(name: str, default: int, low: int, high: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise bad(name, value, "it is not a whole number") from None
+    if not low <= number <= high:
+        raise bad(name, value, f"it must be from {low} to {high}")
+    return number
+
+
+def resident_blocks() -> int:
+    """CTAs the resident method keeps on the GPU (SMs taken from other work while it runs)."""
+    return _whole_number(RESIDENT_BLOCKS, 8, 1, 1024)
+
+
+def resident_idle_us() -> int:
+    """Microseconds without a transfer after which the resident kernel exits (and gives its SMs back)."""
+    return _whole_number(RESIDENT_IDLE_US, 2000, 0, 60_000_000)
 
 
 def positive_number(name: str, value: str) -> float:
@@ -230,6 +257,8 @@ _DESCRIBED = (
     (DISABLE, disabled, "off"),
     (STRICT, strict, "off"),
     (METHOD, method, "auto"),
+    (RESIDENT_BLOCKS, resident_blocks, "8 CTAs"),
+    (RESIDENT_IDLE_US, resident_idle_us, "2000 us"),
     (LOCK_TIMEOUT, lock_timeout, "3600 s"),
     (BUILD_JOBS, build_jobs, "ninja's choice (CPUs + 2)"),
     (PREBUILT_DIRS, prebuilt_dirs, "no prebuilt layers"),
