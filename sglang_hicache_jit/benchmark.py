@@ -147,6 +147,8 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
 
     if provider.startswith("jit"):
         method, quota, tuning = _parse_jit_provider(provider)
+        if method and method.startswith("resident"):
+            _resident_blocks(ops, tuning.pop("resident_blocks", None))
 
         def tuned(call):
             if not tuning:
@@ -162,6 +164,12 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
         return tuned(inner)
     layers = range(LAYERS) if scope == "all" else [layer]
     pairs = [(pools.host[c][:, l], pools.device[c][l]) for l in layers for c in range(caches)]
+    if provider == "direct":  # the copy engines: one 2-D copy per run of slots, one batched call
+        from . import direct
+
+        copy_pairs = [(dev, host) if to_device else (host, dev) for host, dev in pairs]
+        dst_idx, src_idx = (dev_idx, host_idx) if to_device else (host_idx, dev_idx)
+        return lambda: direct.copy_rows(copy_pairs, dst_idx, src_idx)
     if provider == "torch-index":
         if to_device:
             def call():
@@ -189,11 +197,14 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
 
 
 def _parse_jit_provider(name: str):
-    """'jit[-plain|-bulk][-qN][-wW][-aA]': method, CTAs, and bulk tuning (warps, read alignment)."""
+    """'jit[-plain|-bulk|-resident][-qN][-rR][-wW][-aA]': method, CTAs, resident CTAs (R, for
+    'resident') and bulk tuning (warps, read alignment)."""
     method, quota, tuning = None, None, {}
     for part in name.split("-")[1:]:
-        if part in ("plain", "bulk"):
-            method = part
+        if part in ("plain", "bulk", "resident"):
+            method = part if method is None else f"{method}-{part}"  # e.g. jit-resident-bulk
+        elif part[0] == "r" and part[1:].isdigit():
+            tuning["resident_blocks"] = int(part[1:])
         elif part[0] == "q":
             quota = int(part[1:])
         elif part[0] == "w":
@@ -203,6 +214,21 @@ def _parse_jit_provider(name: str):
         else:
             raise ValueError(f"unknown provider part {part!r} in {name!r}")
     return method, quota, tuning
+
+
+def _resident_blocks(ops, blocks) -> None:
+    """Resident CTAs for the next resident transfer: the queue is made again when the count changes."""
+    import os
+
+    from . import settings
+
+    wanted = str(blocks) if blocks else ""
+    if os.environ.get(settings.RESIDENT_BLOCKS, "") != wanted:
+        ops.stop_resident()
+        if wanted:
+            os.environ[settings.RESIDENT_BLOCKS] = wanted
+        else:
+            os.environ.pop(settings.RESIDENT_BLOCKS, None)
 
 
 def _jit_call(ops, pools, scope, to_device, host_views, dev_views, host_cuda, dev_cuda, quota, method):
@@ -291,13 +317,22 @@ def interference(args) -> list[dict]:
     import torch
 
     m = args.gemm_size
-    a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    c = torch.empty_like(a)
-    gemm = lambda: torch.mm(a, b, out=c)  # noqa: E731
+    if args.load == "matmul":  # one saturating matmul after another: prefill-like
+        a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+        c = torch.empty_like(a)
+        gemm = lambda: torch.mm(a, b, out=c)  # noqa: E731
+    else:  # decode-like: a step of many small matmuls (64 tokens), then a gap of ~0.1 ms with one SM busy
+        a = torch.randn(64, m, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+        c = torch.empty(64, m, dtype=torch.bfloat16, device="cuda")
+
+        def gemm():
+            for _ in range(16):
+                torch.mm(a, b, out=c)
+            torch.cuda._sleep(200_000)
     gemm_alone = statistics.median(time_call(gemm, budget_s=0.5))
-    flops = 2 * m ** 3 / gemm_alone / 1e12
-    print(f"matmul {m}^3 bf16 alone: {gemm_alone * 1e3:.2f} ms ({flops:.0f} TFLOP/s)", flush=True)
+    print(f"{args.load} load ({m}) alone: {gemm_alone * 1e3:.3f} ms per step", flush=True)
     low, high = torch.cuda.Stream.priority_range()
     records, scratch = [], {}
     for workload in args.workloads:
@@ -310,6 +345,8 @@ def interference(args) -> list[dict]:
             ceiling = None
             for provider in _providers(args):
                 for priority_name, priority in (("normal", low), ("high", high)):
+                    if priority_name not in args.priorities:
+                        continue
                     fn = build_call(provider, pools, "one", direction, 3, host_idx, dev_idx, page_size, scratch)
                     alone = statistics.median(time_call(fn))
                     if provider == "ceiling" and priority_name == "normal":
@@ -319,6 +356,14 @@ def interference(args) -> list[dict]:
                     torch.cuda.synchronize()
                     g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    # The load alone, just before: the GPU's clocks drift as it heats, so a baseline
+                    # taken once at the start would count that drift as slow-down.
+                    g0.record()
+                    for _ in range(reps):
+                        gemm()
+                    g1.record()
+                    g1.synchronize()
+                    load_alone = g0.elapsed_time(g1) / 1e3 / reps
                     g0.record()
                     for _ in range(reps):
                         gemm()
@@ -338,12 +383,12 @@ def interference(args) -> list[dict]:
                     torch.cuda.synchronize()
                     gemm_loaded = g0.elapsed_time(g1) / 1e3 / reps
                     loaded_gbps = count * nbytes / (t0.elapsed_time(t1) / 1e3) / 1e9
-                    record = dict(mode="interference", workload=workload, direction=direction, tokens=tokens,
+                    record = dict(mode="interference", load=args.load, workload=workload, direction=direction, tokens=tokens,
                                   page_size=page_size, provider=provider, priority=priority_name,
                                   transfers=count, gbps_alone=nbytes / alone / 1e9, gbps_loaded=loaded_gbps,
                                   ratio_loaded=loaded_gbps / ceiling if ceiling else None,
-                                  gemm_alone_s=gemm_alone, gemm_loaded_s=gemm_loaded,
-                                  gemm_slowdown=gemm_loaded / gemm_alone - 1, device=torch.cuda.get_device_name())
+                                  gemm_alone_s=load_alone, gemm_loaded_s=gemm_loaded,
+                                  gemm_slowdown=gemm_loaded / load_alone - 1, device=torch.cuda.get_device_name())
                     records.append(record)
                     print(f"{workload:<12} {direction} {provider:<16} {priority_name:<6} alone {record['gbps_alone']:6.2f}"
                           f" GB/s | under matmul {loaded_gbps:6.2f} GB/s (x{record['ratio_loaded'] or 0:.2f})"
@@ -462,6 +507,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "overhead: host cost per call")
     p.add_argument("--gemm-size", type=int, default=8192, help="interference: square bf16 matmul size")
     p.add_argument("--gemm-seconds", type=float, default=0.05, help="interference: matmul time per measurement")
+    p.add_argument("--priorities", nargs="+", default=["normal", "high"], choices=["normal", "high"],
+                   help="interference: side-stream priorities to measure")
+    p.add_argument("--load", default="matmul", choices=["matmul", "decode"],
+                   help="interference: back-to-back saturating matmuls, or decode-like steps of small "
+                        "matmuls with gaps")
     p.add_argument("--json", help="write the records to this JSON file")
     p.add_argument("--plot", help="draw GB/s against tokens per call into this PNG (needs matplotlib)")
 
