@@ -1,14 +1,16 @@
 """The benchmark's upstream SGLang providers without a GPU: their names, how they stand aside when SGLang
 or its kernel is missing, the calls they make (through a stand-in for SGLang's module), and the
-ours-vs-upstream summary built from synthetic records.
+ours-vs-upstream summary and markdown table built from synthetic records.
 """
 
+import importlib.util
 import json
 import types
 
 import pytest
 import torch
 
+from fleet_helpers import ROOT
 from sglang_hicache_jit import bench_upstream, benchmark
 from sglang_hicache_jit.bench_upstream import Unavailable
 
@@ -256,3 +258,26 @@ def test_summary_puts_the_best_of_ours_beside_the_best_of_upstream_per_cell():
     assert lines[2].split()[-5:] == ["jit-q8", "0.90", "upstream-tma", "0.60", "1.50"]
     assert lines[3].split()[-4:] == ["jit", "0.70", "-", "-"]
     json.dumps(rows)  # goes into the --json file as it is
+
+
+def _bench_report():
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "tools" / "bench_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_report_renders_ours_vs_upstream_as_markdown(tmp_path, capsys):
+    report = _bench_report()
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"schema": 1, "records": [r for r in RECORDS if "mode" not in r]}))
+    report.main([str(path), "--vs-upstream"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("| workload | layers | dir | page | tokens | ceiling | best ours | best upstream | "
+                        "ours / upstream |")
+    assert lines[2] == ("| mla-bf16 | one | h2d | 64 | 1024 | 50.0 | jit-q8 45.0 (0.90) | "
+                        "upstream-tma [tma] 30.0 (0.60) | 1.50 |")
+    assert lines[3] == "| mla-bf16 | one | h2d | 1 | 1024 | 50.0 | jit 35.0 (0.70) | - | - |"
+    assert len(lines) == 4
+    report.main([str(path)])  # the per-provider table still renders, upstream columns included
+    assert "upstream-tma" in capsys.readouterr().out.splitlines()[0]
