@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 
 MODULE = "sglang.kernels.ops.kvcache.hicache"
 KERNELS = ("reg", "tma")
@@ -111,6 +112,12 @@ def prepare(up, kernel, row_bytes: int, quota, page_size: int) -> str:
         raise Unavailable(f"SGLang's kernel cannot be built or loaded here: {type(exc).__name__}: {exc}") from exc
 
 
+@functools.lru_cache(maxsize=None)
+def _note_compiles():
+    logging.getLogger("sglang_hicache_jit").info(
+        "upstream providers: SGLang compiles each of its kernels on first use (tvm-ffi); those points take longer")
+
+
 def _pointer_table(tensors, device):
     import torch
 
@@ -127,6 +134,7 @@ def build_call(up, provider: str, pools, scope: str, to_device: bool, layer: int
     """
     kernel, quota = parse(provider)
     row_bytes = pools.row_bytes
+    _note_compiles()
     picked = prepare(up, kernel, row_bytes, quota, page_size)
     kw = dict(block_quota=quota, page_size=page_size)
     idx_dst, idx_src = (dev_idx, host_idx) if to_device else (host_idx, dev_idx)

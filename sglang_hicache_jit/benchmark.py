@@ -171,7 +171,6 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
     to_device = direction == "h2d"
     if provider.startswith("upstream"):
         up = bench_upstream.module()  # Unavailable without SGLang, before anything touches the GPU
-        log.info("%s: loading SGLang's kernel (its first use compiles it)", provider)
         return bench_upstream.build_call(up, provider, pools, scope, to_device, layer, host_idx.cuda(),
                                          dev_idx.cuda(), page_size, LAYERS)
 
