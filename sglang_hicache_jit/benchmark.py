@@ -1,11 +1,13 @@
-"""Transfer benchmark: this package's kernels beside PyTorch baselines and the link's ceiling.
+"""Transfer benchmark: this package's kernels beside upstream SGLang's, PyTorch baselines and the link's ceiling.
 
 Workloads and pool shapes are those of docs/BENCHMARKS.md ("Workloads"): a
 ``page_first`` host pool of 512K token slots x 8 layers, a 256K-slot device
 pool, random whole pages (host side sorted), one layer per call or all layers
 at once. Every figure is a median of CUDA-event timings over several calls on
 random bytes; the ceiling (one contiguous pinned copy of the same bytes, same
-direction) is measured in the same run, and every ratio is against it.
+direction) is measured in the same run, and every ratio is against it. Upstream SGLang's own kernels
+run as the ``upstream*`` providers (bench_upstream.py) when SGLang is importable; a transfer run ends
+with a summary of the best of ours against the best of upstream per cell.
 
 Run with ``sglang-hicache-jit bench`` or ``python tools/bench_transfer.py``.
 """
@@ -19,6 +21,9 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+
+from . import bench_upstream
+from .bench_upstream import Unavailable
 
 WORKLOADS = {
     # name: (caches per layer, row bytes)
@@ -114,20 +119,65 @@ def time_call(fn, *, min_reps=5, max_reps=40, budget_s=0.25, queue_s=300e-6) -> 
 
 
 def _providers(args):
-    if args.providers:  # an explicit list may name tuned variants, e.g. jit-bulk-q4-w2-a128
+    if args.providers:  # an explicit list may name tuned variants, e.g. jit-bulk-q4-w2-a128, upstream-tma-q8
         return ["ceiling"] + [p for p in args.providers if p != "ceiling"]
     names = ["ceiling", "jit"] + [f"jit-q{q}" for q in args.quotas]
     names += [f"jit-{m}-q{q}" for m in args.methods for q in args.quotas]
+    if bench_upstream.importable():  # upstream SGLang's kernels beside ours, at SGLang's own defaults
+        names += ["upstream", "upstream-reg", "upstream-tma"]
     return names + ["torch-index", "per-page"]
 
 
+def check_provider(name: str) -> None:
+    """ValueError for a provider name the benchmark does not know (checked before anything runs)."""
+    if name in ("ceiling", "direct", "torch-index", "per-page"):
+        return
+    head = name.split("-")[0]
+    try:
+        if head == "jit":
+            _parse_jit_provider(name)
+            return
+        if head == "upstream":
+            bench_upstream.parse(name)
+            return
+    except (ValueError, IndexError) as exc:
+        raise ValueError(f"bad provider {name!r}: {exc}") from None
+    raise ValueError(f"unknown provider {name!r} (ceiling, jit[-plain|-bulk|-resident][-qN][-rR][-wW][-aA], "
+                     "upstream[-reg|-tma][-qN], direct, torch-index, per-page)")
+
+
+def family(provider: str) -> str:
+    """'ours' (jit*), 'upstream' (upstream*), 'ceiling' or 'baseline' (the PyTorch ways)."""
+    if provider == "ceiling":
+        return "ceiling"
+    if provider.startswith("jit"):
+        return "ours"
+    return "upstream" if provider.startswith("upstream") else "baseline"
+
+
+def _build_or_skip(provider, skipped: set, *args):
+    """build_call's callable, or None after printing why ``provider`` cannot run here (once per reason)."""
+    try:
+        return build_call(provider, *args)
+    except Unavailable as exc:
+        if (provider, str(exc)) not in skipped:
+            skipped.add((provider, str(exc)))
+            print(f"skipped {provider}: {exc}", flush=True)
+        return None
+
+
 def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_idx, page_size, scratch):
-    """A zero-argument callable doing one transfer with ``provider``."""
+    """A zero-argument callable doing one transfer with ``provider``; Unavailable if it cannot run here."""
+    to_device = direction == "h2d"
+    if provider.startswith("upstream"):
+        up = bench_upstream.module()  # Unavailable without SGLang, before anything touches the GPU
+        return bench_upstream.build_call(up, provider, pools, scope, to_device, layer, host_idx.cuda(),
+                                         dev_idx.cuda(), page_size, LAYERS)
+
     import torch
 
     from . import ops
 
-    to_device = direction == "h2d"
     host_views = [buf[:, layer] for buf in pools.host]
     dev_views = [layers[layer] for layers in pools.device]
     caches = pools.caches
@@ -261,6 +311,7 @@ def run(args) -> list[dict]:
 
     records = []
     scratch: dict = {}
+    skipped: set = set()
     device_name = torch.cuda.get_device_name()
     points = [(w, sc, p, t, d) for w in args.workloads for sc in args.scopes for p in args.page_sizes
               for t in args.tokens for d in args.directions if not (sc == "all" and t > args.max_all_layer_tokens)]
@@ -287,7 +338,10 @@ def run(args) -> list[dict]:
                                 continue
                             if provider == "per-page" and page_size < 16:
                                 continue  # one copy per token: minutes per point, and not a real contender
-                            fn = build_call(provider, pools, scope, direction, 3, host_idx, dev_idx, page_size, scratch)
+                            fn = _build_or_skip(provider, skipped, pools, scope, direction, 3, host_idx, dev_idx,
+                                                page_size, scratch)
+                            if fn is None:
+                                continue
                             times = time_call(fn)
                             median = statistics.median(times)
                             nbytes = tokens * pools.row_bytes * pools.caches * (LAYERS if scope == "all" else 1)
@@ -295,7 +349,8 @@ def run(args) -> list[dict]:
                             if provider == "ceiling":
                                 ceiling = gbps
                             record = dict(workload=workload, scope=scope, direction=direction, page_size=page_size,
-                                          tokens=tokens, provider=provider, bytes=nbytes, median_s=median,
+                                          tokens=tokens, provider=provider, family=family(provider),
+                                          kernel=getattr(fn, "kernel", None), bytes=nbytes, median_s=median,
                                           min_s=min(times), max_s=max(times), reps=len(times), gbps=gbps,
                                           ratio=gbps / ceiling if ceiling else None, device=device_name)
                             records.append(record)
@@ -334,7 +389,7 @@ def interference(args) -> list[dict]:
     gemm_alone = statistics.median(time_call(gemm, budget_s=0.5))
     print(f"{args.load} load ({m}) alone: {gemm_alone * 1e3:.3f} ms per step", flush=True)
     low, high = torch.cuda.Stream.priority_range()
-    records, scratch = [], {}
+    records, scratch, skipped = [], {}, set()
     for workload in args.workloads:
         pools = make_pools(workload, args.host_slots, args.device_slots)
         tokens = args.tokens[0]
@@ -347,7 +402,10 @@ def interference(args) -> list[dict]:
                 for priority_name, priority in (("normal", low), ("high", high)):
                     if priority_name not in args.priorities:
                         continue
-                    fn = build_call(provider, pools, "one", direction, 3, host_idx, dev_idx, page_size, scratch)
+                    fn = _build_or_skip(provider, skipped, pools, "one", direction, 3, host_idx, dev_idx, page_size,
+                                        scratch)
+                    if fn is None:
+                        break
                     alone = statistics.median(time_call(fn))
                     if provider == "ceiling" and priority_name == "normal":
                         ceiling = nbytes / alone / 1e9
@@ -383,8 +441,9 @@ def interference(args) -> list[dict]:
                     torch.cuda.synchronize()
                     gemm_loaded = g0.elapsed_time(g1) / 1e3 / reps
                     loaded_gbps = count * nbytes / (t0.elapsed_time(t1) / 1e3) / 1e9
-                    record = dict(mode="interference", load=args.load, workload=workload, direction=direction, tokens=tokens,
-                                  page_size=page_size, provider=provider, priority=priority_name,
+                    record = dict(mode="interference", load=args.load, workload=workload, direction=direction,
+                                  tokens=tokens, page_size=page_size, provider=provider, family=family(provider),
+                                  kernel=getattr(fn, "kernel", None), priority=priority_name,
                                   transfers=count, gbps_alone=nbytes / alone / 1e9, gbps_loaded=loaded_gbps,
                                   ratio_loaded=loaded_gbps / ceiling if ceiling else None,
                                   gemm_alone_s=load_alone, gemm_loaded_s=gemm_loaded,
@@ -454,8 +513,72 @@ def overhead(args) -> list[dict]:
 
 def _row(r: dict) -> str:
     ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "  - "
+    kernel = f"  [{r['kernel']} kernel]" if r.get("kernel") else ""  # what upstream's provider ran
     return (f"{r['workload']:<12} {r['scope']:<3} {r['direction']} p{r['page_size']:<3} {r['tokens']:>6} "
-            f"{r['provider']:<14} {r['gbps']:7.2f} GB/s  x{ratio}  ({r['median_s'] * 1e6:9.1f} us, n={r['reps']})")
+            f"{r['provider']:<16} {r['gbps']:7.2f} GB/s  x{ratio}  ({r['median_s'] * 1e6:9.1f} us, n={r['reps']})"
+            f"{kernel}")
+
+
+CELL = ("workload", "scope", "direction", "page_size", "tokens")
+
+
+def _cell_order(key):
+    workload, scope, direction, page_size, tokens = key
+    return workload, scope, direction, -page_size, tokens
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Ours against upstream per cell (workload, scope, direction, page size, tokens) of a transfer run.
+
+    For each cell with a figure from either side: the best ``jit*`` provider and the best
+    ``upstream*`` provider by ratio to the same-run ceiling, and ``quotient`` = ours / upstream
+    (above 1: ours is faster; the ceiling cancels, so it is also the quotient of the GB/s).
+    """
+    cells: dict = {}
+    for r in records:
+        side = family(r["provider"])
+        if r.get("mode", "transfer") != "transfer" or side == "baseline":
+            continue
+        cell = cells.setdefault(tuple(r[k] for k in CELL), {})
+        if side == "ceiling":
+            cell["ceiling"] = r
+        elif r.get("ratio") is not None and (side not in cell or r["ratio"] > cell[side]["ratio"]):
+            cell[side] = r
+    rows = []
+    for key in sorted(cells, key=_cell_order):
+        cell = cells[key]
+        if "ours" not in cell and "upstream" not in cell:
+            continue
+        row = dict(zip(CELL, key))
+        row["ceiling_gbps"] = cell["ceiling"]["gbps"] if "ceiling" in cell else None
+        for side in ("ours", "upstream"):
+            best = cell.get(side)
+            row[side] = best["provider"] if best else None
+            row[f"{side}_kernel"] = best.get("kernel") if best else None
+            row[f"{side}_gbps"] = best["gbps"] if best else None
+            row[f"{side}_ratio"] = best["ratio"] if best else None
+        row["quotient"] = row["ours_ratio"] / row["upstream_ratio"] if cell.get("ours") and cell.get("upstream") \
+            else None
+        rows.append(row)
+    return rows
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    """The summary as text: one line per cell, ours and upstream with their ratios, then ours/upstream."""
+    def side(row, name):
+        if row[name] is None:
+            return f"{'-':<18} {'':>5}"
+        return f"{row[name]:<18} {row[name + '_ratio']:5.2f}"
+
+    lines = ["ours vs upstream: the best of each per cell, ratio to the same-run ceiling; "
+             "ours/upstream above 1: ours is faster",
+             f"{'workload':<12} {'scope':<5} {'dir':<3} {'page':>4} {'tokens':>6}  {'best ours':<18} {'ratio':>5}  "
+             f"{'best upstream':<18} {'ratio':>5}  ours/upstream"]
+    for row in rows:
+        quotient = f"{row['quotient']:.2f}" if row["quotient"] is not None else "-"
+        lines.append(f"{row['workload']:<12} {row['scope']:<5} {row['direction']:<3} {row['page_size']:>4} "
+                     f"{row['tokens']:>6}  {side(row, 'ours')}  {side(row, 'upstream')}  {quotient}")
+    return lines
 
 
 def plot(records: list[dict], path: str) -> None:
@@ -496,7 +619,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quotas", nargs="+", type=int, default=[1, 2, 4, 8], help="SM budgets (CTAs) to measure")
     p.add_argument("--methods", nargs="*", default=[], choices=["plain", "bulk"],
                    help="also measure these copy methods explicitly at each quota")
-    p.add_argument("--providers", nargs="*", default=None, help="only these providers (ceiling always runs)")
+    p.add_argument("--providers", nargs="*", default=None,
+                   help="only these providers (ceiling always runs): jit[-plain|-bulk][-qN][-wW][-aA], "
+                        "upstream[-reg|-tma][-qN] (SGLang's own kernels), torch-index, per-page")
     p.add_argument("--host-slots", type=int, default=512 * 1024)
     p.add_argument("--device-slots", type=int, default=256 * 1024)
     p.add_argument("--max-baseline-tokens", type=int, default=16384,
@@ -525,6 +650,13 @@ def parse_args(argv=None):
 
 def run_parsed(args) -> int:
     """Runs the benchmark for parsed arguments; torch is imported only here, after parsing."""
+    try:
+        for name in args.providers or []:
+            check_provider(name)
+    except ValueError as exc:
+        print(f"error: [bad_setting] {exc} (fix: see `bench --help` and docs/cli.md for provider names)",
+              file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -532,10 +664,13 @@ def run_parsed(args) -> int:
               file=sys.stderr)
         return 2
     records = {"transfer": run, "interference": interference, "overhead": overhead}[args.mode](args)
+    summary = summarize(records) if args.mode == "transfer" else []
+    if any(row["upstream"] for row in summary):
+        print("\n".join([""] + summary_lines(summary)), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"schema": 1, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "records": records}, f,
-                      indent=1)
+            json.dump({"schema": 1, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "records": records,
+                       "summary": summary}, f, indent=1)
     if args.plot and args.mode == "transfer":
         try:
             plot(records, args.plot)
