@@ -48,7 +48,7 @@ from .slot_allocator import SlotAllocator
 log = logging.getLogger(__name__)
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-IO_BACKENDS = ("kernel", "direct", "auto")
+IO_BACKENDS = ("kernel", "direct", "auto", "resident")
 _logged_choices: set = set()  # (path, reason) pairs already logged in this process
 
 
@@ -287,6 +287,8 @@ class HostKVPool:
             return "direct"
         if io_backend == "kernel":  # the kernel where it works, else the direct path (logged at construction)
             return self.transfer_path
+        if io_backend == "resident":  # the kernel's resident method (docs/kernels.md), else the direct path
+            return "resident" if self.transfer_path == "kernel" else "direct"
         if io_backend == "auto":
             return choose_io_backend(self.transfer_path == "kernel", operation)
         raise ValueError(f"Unsupported IO backend: {io_backend!r} (choose one of {', '.join(IO_BACKENDS)})")
@@ -313,17 +315,18 @@ class HostKVPool:
             return
         side = self._device_side(device_pool)
         host_layer = layer - start
-        if path == "kernel":
+        if path in ("kernel", "resident"):
             from . import ops
 
             host_rows = self.translate_host_indices(host_indices)
+            method = "resident" if path == "resident" else None
             if self.num_caches == 1:
                 ops.transfer_one_layer_mla(side.caches[0][layer], device_indices,
-                                           self._host_rows[0][host_layer].tensor, host_rows)
+                                           self._host_rows[0][host_layer].tensor, host_rows, method=method)
             else:
                 ops.transfer_one_layer(side.caches[0][layer], side.caches[1][layer], device_indices,
                                        self._host_rows[0][host_layer].tensor, self._host_rows[1][host_layer].tensor,
-                                       host_rows)
+                                       host_rows, method=method)
             return
         pairs = side.pairs.get(("load", host_layer))
         if pairs is None:
@@ -337,11 +340,11 @@ class HostKVPool:
         path = self._path(io_backend, "backup")
         self._check_index_pair(host_indices, device_indices)
         side = self._device_side(device_pool)
-        if path == "kernel":
+        if path in ("kernel", "resident"):
             from . import ops
 
             ops.transfer_all_layer(self._host_layer_table(), self.translate_host_indices(host_indices),
-                                   side.table(), device_indices)
+                                   side.table(), device_indices, method="resident" if path == "resident" else None)
             return
         pairs = side.pairs.get(("backup",))
         if pairs is None:

@@ -690,3 +690,11 @@ def test_allocator_reuses_freed_slots_in_order():
     assert alloc.alloc(8).tolist() == list(range(8, 16))  # never-used slots first
     assert alloc.alloc(8).tolist() == b.tolist() + a.tolist()  # then freed ones, in the order freed
     assert alloc.alloc(2) is None
+
+
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+def test_resident_backend_without_the_kernel_takes_the_direct_path(kind):
+    """io_backend='resident' asks for the kernel's resident method; where the kernel is not the
+    pool's path (here: no GPU) it runs the direct path, like 'kernel' does."""
+    pool = round_trip(kind, "page_first", 16, 576, False, "resident", seed=11)
+    assert pool._path("resident", "load") == "direct"

@@ -71,7 +71,7 @@ def test_direct_path_one_2d_copy_per_run(layout, kind, sharded):
     assert pool.last_direct_mode == "2d"
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "direct", "auto"])
+@pytest.mark.parametrize("io_backend", ["kernel", "direct", "auto", "resident"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpu_index_tensors(layout, io_backend):
     round_trip("mla", layout, 64, 1152, True, io_backend, device="cuda", index_device="cuda",
@@ -79,7 +79,7 @@ def test_gpu_index_tensors(layout, io_backend):
     ops.check_errors()
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+@pytest.mark.parametrize("io_backend", ["kernel", "direct", "resident"])
 def test_on_a_side_stream(io_backend):
     """HiCache runs transfers on its own streams; both paths must use the current one."""
     stream = torch.cuda.Stream()
