@@ -157,8 +157,13 @@ class _DeviceState:
                 if queue is None:
                     handle = self.library.handle
                     _resident_signatures(handle)
+                    blocks = settings.resident_blocks()
+                    sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+                    if blocks > sms:  # every resident CTA must fit at once, or a transfer would wait forever
+                        raise settings.bad(settings.RESIDENT_BLOCKS, str(blocks),
+                                           f"cuda:{self.device} has {sms} SMs and each resident CTA needs one")
                     out = ctypes.c_void_p()
-                    err = handle.hicache_resident_create(settings.resident_blocks(), RESIDENT_QUEUE_SLOTS,
+                    err = handle.hicache_resident_create(blocks, RESIDENT_QUEUE_SLOTS,
                                                          settings.resident_idle_us(), ctypes.byref(out))
                     if err:
                         raise RuntimeError(f"the resident method is unavailable on cuda:{self.device}: "
