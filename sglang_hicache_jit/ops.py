@@ -122,18 +122,24 @@ class _DeviceState:
                           num_caches, num_layers, idx_src.data_ptr(), idx_dst.data_ptr(), idx_src.element_size(),
                           idx_src.numel(), src_stride, dst_stride, row_bytes, src_rows, dst_rows, num_blocks, method,
                           bulk_warps, read_align, error_flags)
-        launch, ref = self._launch_c, self._method_used_ref
         if method & _RESIDENT:
             spec.method = method & ~_RESIDENT
             return self._submit_resident(spec)
-        if torch.cuda.current_device() == self.device:
-            err = launch(ctypes.byref(spec), _raw_stream(self.device), ref)
+        self.submit(ctypes.byref(spec), self._method_used_ref)
+        return self._method_used.value
+
+    def submit(self, spec, method_used) -> None:
+        """Calls the C launcher on the current stream of this device with a
+        filled HicacheTransfer; it stores the method that ran in a c_int.
+        Both are passed by address (an int) or as ``ctypes.byref``."""
+        launch, device = self._launch_c, self.device
+        if _current_device() == device:
+            err = launch(spec, _raw_stream(device), method_used)
         else:
-            with torch.cuda.device(self.device):
-                err = launch(ctypes.byref(spec), _raw_stream(self.device), ref)
+            with torch.cuda.device(device):
+                err = launch(spec, _raw_stream(device), method_used)
         if err:
             raise RuntimeError(f"hicache transfer: {self._error_string(err)}")
-        return self._method_used.value
 
     def _error_string(self, err: int) -> str:
         message = self.library.handle.hicache_error_string(err)
@@ -226,17 +232,22 @@ def _c_launcher(handle):
     fn = getattr(handle, "hicache_transfer_launch", None) if handle is not None else None
     if fn is None:
         return None
-    fn.argtypes = [ctypes.POINTER(_CTransfer), ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    # Untyped pointers: c_void_p takes a byref() and a plain address alike,
+    # and converting an int costs less per call than checking a pointer type.
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     handle.hicache_error_string.argtypes = [ctypes.c_int]
     handle.hicache_error_string.restype = ctypes.c_char_p
     return fn
 
 
-def _raw_stream(device: int) -> int:
-    # torch's own raw-stream accessor (Triton launches through it): ~0.3 us,
-    # where torch.cuda.current_stream(device).cuda_stream builds a Stream object.
-    return torch._C._cuda_getCurrentRawStream(device)
+# torch's own raw-stream accessor (Triton launches through it): ~0.3 us,
+# where torch.cuda.current_stream(device).cuda_stream builds a Stream object.
+# And the current device without torch.cuda.current_device()'s lazy-init
+# checks, run in Python on every call (CUDA is initialized once a
+# _DeviceState exists). A CPU-only build of torch has neither.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 _states: dict[int, _DeviceState] = {}
