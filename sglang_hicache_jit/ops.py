@@ -57,6 +57,7 @@ def set_tuning(*, bulk_warps: int | None = None, read_align: int | None = None) 
         if read_align and (read_align < 16 or read_align > 256 or read_align & (read_align - 1)):
             raise ValueError(f"read_align must be 0 (default) or a power of two in 16..256, got {read_align}")
         _tuning["read_align"] = read_align
+    _clear_plans()  # plans hold the values they were built with
     return previous
 
 
@@ -75,6 +76,7 @@ _settings: dict = {}
 def reload_settings() -> None:
     """Re-reads SGLANG_HICACHE_JIT_STRICT and SGLANG_HICACHE_JIT_METHOD."""
     _settings.update(strict=settings.strict(), method=settings.method())
+    _clear_plans()  # plans hold the values they were built with
 
 
 class _DeviceState:
@@ -97,6 +99,9 @@ class _DeviceState:
         self.error_flags = torch.zeros(_ERROR_WORDS, dtype=torch.int32, pin_memory=True)
         self.error_flags_ptr = self.error_flags.data_ptr()
         self.error_view = (ctypes.c_uint32 * _ERROR_WORDS).from_address(self.error_flags_ptr)
+        # The words the kernel sets, read as one bytes object: the cheapest
+        # "no error pending" test for the per-call path (_Plan.run).
+        self.error_bytes = (ctypes.c_char * (4 * len(_ERROR_MESSAGES))).from_address(self.error_flags_ptr)
         self.transfer = self.library.ops.transfer
         self._launch_c = _c_launcher(self.library.handle)
         self._method_used = ctypes.c_int(0)
@@ -383,24 +388,6 @@ class _Side:
             raise ValueError(f"{name} has overlapping rows (slot stride {self.stride} bytes < row {self.row_bytes} bytes)")
 
 
-# Validated sides by tensor identity. Pools pass the same tensors on every
-# call; a hit costs a few attribute reads instead of a full validation. A
-# live tensor keeps its storage alive, so a hit cannot see freed memory.
-_side_cache: dict = {}
-
-
-def _side(name: str, t, element_dim: int | None, written: bool) -> _Side:
-    entry = _side_cache.get(id(t))
-    if (entry is not None and entry[0]() is t and entry[1] == (element_dim, written)
-            and entry[2] == (t.data_ptr(), t.shape, t.stride())):
-        return entry[3]
-    side = _Side(name, t, element_dim, written=written)
-    if len(_side_cache) >= 512:
-        _side_cache.clear()
-    _side_cache[id(t)] = (weakref.ref(t), (element_dim, written), (t.data_ptr(), t.shape, t.stride()), side)
-    return side
-
-
 def _check_pair(dst: _Side, src: _Side, dst_name: str, src_name: str) -> None:
     if dst.dtype != src.dtype:
         raise ValueError(f"{dst_name} has dtype {dst.dtype} but {src_name} has {src.dtype}; they must match")
@@ -509,23 +496,146 @@ def _method_code(method, to_device: bool) -> int:
         raise ValueError(f"method must be one of {', '.join(settings.METHODS)}, got {method!r}") from None
 
 
-def _launch(device: int, indices_dst, indices_src, *, dst_bases, src_bases, dst_tables, src_tables,
-            num_layers: int, dst_stride: int, src_stride: int, row_bytes: int, dst_rows: int, src_rows: int,
-            to_device: bool, block_quota, method) -> str:
-    if not _settings:
-        reload_settings()
-    quota, method_code = _quota(block_quota), _method_code(method, to_device)
-    state = _state(device)
-    _raise_reported(state)
-    idx_dst, idx_src = _gpu_indices(indices_dst, indices_src, device, dst_rows, src_rows)
-    num_caches = 2 if (dst_bases[1] or dst_tables[1]) else 1
-    method_used = state.launch(
-        idx_src, idx_dst, src_bases[0], src_bases[1], dst_bases[0], dst_bases[1],
-        src_tables[0], src_tables[1], dst_tables[0], dst_tables[1], num_caches, num_layers,
-        src_stride, dst_stride, row_bytes, src_rows, dst_rows, quota, method_code,
-        _tuning["bulk_warps"], _tuning["read_align"], state.error_flags_ptr,
-    )
-    return METHOD_NAMES[method_used]
+_INDEX_BYTES = {torch.int32: 4, torch.int64: 8}
+_UNIT_STRIDE = (1,)
+_CPU = torch.device("cpu")
+_NO_ERRORS = bytes(4 * len(_ERROR_MESSAGES))
+
+
+class _Plan:
+    """One validated transfer configuration, ready to launch: the caches'
+    addresses and geometry, the options, the device state and a filled
+    HicacheTransfer. Running it checks the index tensors (cheaply in the
+    common case: 1-D, contiguous, one dtype, both on the transfer's GPU or
+    both on the CPU), writes their addresses and count into the struct and
+    launches.
+
+    Plans are cached per thread (_plan_cache) under a key that holds, for
+    each cache tensor, its data pointer, shape, strides and dtype (everything
+    validation reads of it, so set_(), resize_() or as_strided_() on the same
+    object lead to another key) and the id of its root: the tensor itself, or
+    the tensor it is a view of (pools hand out a fresh view of one buffer per
+    call; the root stays the same). ``refs`` holds weak references to the
+    roots (or LayerTables), checked on every hit: a plan keeps nothing alive
+    and a dead root's reused id never matches. Every address a hit launches
+    with is that of a tensor the caller passes, so no freed memory is reached.
+    """
+
+    __slots__ = ("refs", "state", "device", "cuda_device", "strict", "resident", "dst_rows", "src_rows", "op_args",
+                 "spec", "spec_addr", "method_used", "method_used_addr")
+
+    def __init__(self, device: int, *, dst_bases, src_bases, dst_tables, src_tables, num_layers: int,
+                 dst_stride: int, src_stride: int, row_bytes: int, dst_rows: int, src_rows: int, to_device: bool,
+                 quota: int, method):
+        if not _settings:
+            reload_settings()
+        method_code = _method_code(method, to_device)
+        # The resident flag picks the submission (_DeviceState._submit_resident); the struct holds the method alone.
+        self.resident = bool(method_code & _RESIDENT)
+        self.refs = ()
+        self.state = state = _state(device)
+        self.device, self.cuda_device = device, torch.device("cuda", device)
+        self.strict = _settings["strict"]
+        self.dst_rows, self.src_rows = dst_rows, src_rows
+        num_caches = 2 if (dst_bases[1] or dst_tables[1]) else 1
+        # The torch op's integer arguments after the two index tensors (the fallback, _DeviceState.launch).
+        self.op_args = (src_bases[0], src_bases[1], dst_bases[0], dst_bases[1], src_tables[0], src_tables[1],
+                        dst_tables[0], dst_tables[1], num_caches, num_layers, src_stride, dst_stride, row_bytes,
+                        src_rows, dst_rows, quota, method_code, _tuning["bulk_warps"], _tuning["read_align"],
+                        state.error_flags_ptr)
+        self.spec = _CTransfer(src_tables[0], src_tables[1], dst_tables[0], dst_tables[1], src_bases[0],
+                               src_bases[1], dst_bases[0], dst_bases[1], num_caches, num_layers, 0, 0, 8, 0,
+                               src_stride, dst_stride, row_bytes, src_rows, dst_rows, quota,
+                               method_code & ~_RESIDENT, _tuning["bulk_warps"], _tuning["read_align"],
+                               state.error_flags_ptr)
+        self.method_used = ctypes.c_int(0)
+        # Passed to the launcher as plain addresses (the plan owns both).
+        self.spec_addr, self.method_used_addr = ctypes.addressof(self.spec), ctypes.addressof(self.method_used)
+
+    def run(self, indices_dst, indices_src) -> str:
+        state = self.state
+        if state.error_bytes.raw != _NO_ERRORS:
+            _raise_reported(state)
+        # The common case, told by a few attribute reads: both 1-D and
+        # contiguous (stride (1,)), one index dtype, equal lengths, both on
+        # this GPU or both on the CPU. Anything else, and strict mode, takes
+        # _gpu_indices, which converts what it can and names what it cannot.
+        where = None
+        if (not self.strict and isinstance(indices_dst, torch.Tensor) and isinstance(indices_src, torch.Tensor)
+                and indices_dst.stride() == _UNIT_STRIDE and indices_src.stride() == _UNIT_STRIDE):
+            dtype, where, count = indices_dst.dtype, indices_dst.device, indices_dst.numel()
+            index_bytes = _INDEX_BYTES.get(dtype)
+            if (index_bytes is None or indices_src.dtype is not dtype or indices_src.device != where
+                    or indices_src.numel() != count):
+                where = None
+        staged = None  # keeps an upload of CPU indices alive until the launch is queued
+        if where == self.cuda_device:
+            dst_ptr, src_ptr = indices_dst.data_ptr(), indices_src.data_ptr()
+        elif where == _CPU:
+            # One pinned staging copy for both (as _gpu_indices), uploaded as
+            # one tensor; the kernel takes addresses, so no views are cut.
+            staged = torch.cat((indices_dst, indices_src)).pin_memory().to(self.cuda_device, non_blocking=True)
+            dst_ptr = staged.data_ptr()
+            src_ptr = dst_ptr + count * index_bytes
+        else:
+            indices_dst, indices_src = _gpu_indices(indices_dst, indices_src, self.device, self.dst_rows,
+                                                    self.src_rows)
+            dst_ptr, src_ptr = indices_dst.data_ptr(), indices_src.data_ptr()
+            index_bytes, count = indices_dst.element_size(), indices_dst.numel()
+        if state._launch_c is None:  # the torch op (launch's fallback) takes tensors
+            if staged is not None:
+                indices_dst, indices_src = staged[:count], staged[count:]
+            return METHOD_NAMES[state.launch(indices_src, indices_dst, *self.op_args)]
+        spec = self.spec
+        spec.indices_dst, spec.indices_src, spec.index_bytes, spec.num_items = dst_ptr, src_ptr, index_bytes, count
+        if self.resident:
+            return METHOD_NAMES[state._submit_resident(spec)]
+        state.submit(self.spec_addr, self.method_used_addr)
+        return METHOD_NAMES[self.method_used.value]
+
+
+# Per-thread plan caches: a plan's struct is written on every call, so two
+# threads must not share one. All of them are reachable here so that
+# set_tuning() and reload_settings() can drop plans built with old values.
+_local = threading.local()
+_plan_caches: list = []  # weak references to every thread's cache
+_plan_caches_lock = threading.Lock()
+_MAX_PLANS = 1024  # a few per layer and direction; about 1 KB each
+
+
+class _PlanCache(dict):
+    __slots__ = ("__weakref__",)  # a thread's cache goes with the thread
+
+
+def _plan_cache() -> dict:
+    try:
+        return _local.plans
+    except AttributeError:
+        plans = _local.plans = _PlanCache()
+        with _plan_caches_lock:
+            _plan_caches[:] = [ref for ref in _plan_caches if ref() is not None] + [weakref.ref(plans)]
+        return plans
+
+
+def _clear_plans() -> None:
+    with _plan_caches_lock:
+        caches = [ref() for ref in _plan_caches]
+    for plans in caches:
+        if plans is not None:
+            plans.clear()
+
+
+def _keep(plans: dict, key, plan: _Plan, objects) -> None:
+    """Files ``plan`` under ``key``, for as long as ``objects`` live."""
+    plan.refs = tuple(weakref.ref(o) for o in objects)
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+
+
+def _launch(device: int, indices_dst, indices_src, **plan) -> str:
+    """A launch of an uncached plan (keyword arguments: _Plan's)."""
+    return _Plan(device, **plan).run(indices_dst, indices_src)
 
 
 def transfer_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *, element_dim=None,
@@ -538,23 +648,71 @@ def transfer_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *, el
     (default: $SGLANG_HICACHE_JIT_METHOD, else 'auto').
     Returns the copy method that ran ('bulk' or 'plain').
     """
-    dst = _side("cache_dst", cache_dst, element_dim, True)
-    src = _side("cache_src", cache_src, element_dim, False)
+    quota = 0 if block_quota is None else _quota(block_quota)
+    try:
+        plans = _local.plans
+    except AttributeError:  # this thread's first transfer
+        plans = _plan_cache()
+    key = None
+    if isinstance(cache_dst, torch.Tensor) and isinstance(cache_src, torch.Tensor):
+        root_dst, root_src = cache_dst._base, cache_src._base
+        if root_dst is None:
+            root_dst = cache_dst
+        if root_src is None:
+            root_src = cache_src
+        try:
+            key = (id(root_dst), cache_dst.data_ptr(), cache_dst.shape, cache_dst.stride(), cache_dst.dtype,
+                   id(root_src), cache_src.data_ptr(), cache_src.shape, cache_src.stride(), cache_src.dtype,
+                   element_dim, quota, method)
+            plan = plans.get(key)
+        except (TypeError, RuntimeError):  # no data pointer, or unhashable options: the full path says why
+            plan = key = None
+        if plan is not None and plan.refs[0]() is root_dst and plan.refs[1]() is root_src:
+            return plan.run(indices_dst, indices_src)
+    dst = _Side("cache_dst", cache_dst, element_dim, written=True)
+    src = _Side("cache_src", cache_src, element_dim, written=False)
     _check_pair(dst, src, "cache_dst", "cache_src")
     device = _device_of(dst, src)
-    return _launch(device, indices_dst, indices_src, dst_bases=(dst.ptr, 0), src_bases=(src.ptr, 0),
-                   dst_tables=(0, 0), src_tables=(0, 0), num_layers=1, dst_stride=dst.stride,
-                   src_stride=src.stride, row_bytes=dst.row_bytes, dst_rows=dst.rows, src_rows=src.rows,
-                   to_device=src.device is None, block_quota=block_quota, method=method)
+    plan = _Plan(device, dst_bases=(dst.ptr, 0), src_bases=(src.ptr, 0), dst_tables=(0, 0), src_tables=(0, 0),
+                 num_layers=1, dst_stride=dst.stride, src_stride=src.stride, row_bytes=dst.row_bytes,
+                 dst_rows=dst.rows, src_rows=src.rows, to_device=src.device is None, quota=quota, method=method)
+    if key is not None:
+        _keep(plans, key, plan, (root_dst, root_src))
+    return plan.run(indices_dst, indices_src)
 
 
 def transfer_one_layer(k_dst, v_dst, indices_dst, k_src, v_src, indices_src, *, element_dim=None,
                        block_quota=None, method=None) -> str:
     """Copies rows of one layer's K and V caches in one launch (same indices for both)."""
-    kd = _side("k_dst", k_dst, element_dim, True)
-    vd = _side("v_dst", v_dst, element_dim, True)
-    ks = _side("k_src", k_src, element_dim, False)
-    vs = _side("v_src", v_src, element_dim, False)
+    quota = 0 if block_quota is None else _quota(block_quota)
+    try:
+        plans = _local.plans
+    except AttributeError:  # this thread's first transfer
+        plans = _plan_cache()
+    key = None
+    if (isinstance(k_dst, torch.Tensor) and isinstance(v_dst, torch.Tensor) and isinstance(k_src, torch.Tensor)
+            and isinstance(v_src, torch.Tensor)):
+        roots = (k_dst._base, v_dst._base, k_src._base, v_src._base)
+        roots = (k_dst if roots[0] is None else roots[0], v_dst if roots[1] is None else roots[1],
+                 k_src if roots[2] is None else roots[2], v_src if roots[3] is None else roots[3])
+        try:
+            key = (id(roots[0]), k_dst.data_ptr(), k_dst.shape, k_dst.stride(), k_dst.dtype,
+                   id(roots[1]), v_dst.data_ptr(), v_dst.shape, v_dst.stride(), v_dst.dtype,
+                   id(roots[2]), k_src.data_ptr(), k_src.shape, k_src.stride(), k_src.dtype,
+                   id(roots[3]), v_src.data_ptr(), v_src.shape, v_src.stride(), v_src.dtype,
+                   element_dim, quota, method)
+            plan = plans.get(key)
+        except (TypeError, RuntimeError):  # no data pointer, or unhashable options: the full path says why
+            plan = key = None
+        if plan is not None:
+            refs = plan.refs
+            if (refs[0]() is roots[0] and refs[1]() is roots[1] and refs[2]() is roots[2]
+                    and refs[3]() is roots[3]):
+                return plan.run(indices_dst, indices_src)
+    kd = _Side("k_dst", k_dst, element_dim, written=True)
+    vd = _Side("v_dst", v_dst, element_dim, written=True)
+    ks = _Side("k_src", k_src, element_dim, written=False)
+    vs = _Side("v_src", v_src, element_dim, written=False)
     _check_pair(kd, ks, "k_dst", "k_src")
     _check_pair(vd, vs, "v_dst", "v_src")
     _check_pair(vd, kd, "v_dst", "k_dst")
@@ -565,10 +723,12 @@ def transfer_one_layer(k_dst, v_dst, indices_dst, k_src, v_src, indices_src, *, 
         if (a.device is None) != (b.device is None):
             raise ValueError(f"{an} and {bn} must both be on the GPU or both in host memory")
     device = _device_of(kd, vd, ks, vs)
-    return _launch(device, indices_dst, indices_src, dst_bases=(kd.ptr, vd.ptr), src_bases=(ks.ptr, vs.ptr),
-                   dst_tables=(0, 0), src_tables=(0, 0), num_layers=1, dst_stride=kd.stride,
-                   src_stride=ks.stride, row_bytes=kd.row_bytes, dst_rows=kd.rows, src_rows=ks.rows,
-                   to_device=ks.device is None, block_quota=block_quota, method=method)
+    plan = _Plan(device, dst_bases=(kd.ptr, vd.ptr), src_bases=(ks.ptr, vs.ptr), dst_tables=(0, 0),
+                 src_tables=(0, 0), num_layers=1, dst_stride=kd.stride, src_stride=ks.stride, row_bytes=kd.row_bytes,
+                 dst_rows=kd.rows, src_rows=ks.rows, to_device=ks.device is None, quota=quota, method=method)
+    if key is not None:
+        _keep(plans, key, plan, roots)
+    return plan.run(indices_dst, indices_src)
 
 
 class LayerTable:
@@ -630,6 +790,22 @@ def transfer_all_layer(tables_dst, indices_dst, tables_src, indices_src, *, bloc
     accepts: a list of per-layer tensors for MLA, a ``(k_list, v_list)`` pair
     for MHA). Both sides need the same layer count, cache count and row size.
     """
+    quota = 0 if block_quota is None else _quota(block_quota)
+    # Plans only for LayerTables: a LayerTable does not change once built,
+    # where a list of tensors can be edited between calls.
+    try:
+        plans = _local.plans
+    except AttributeError:  # this thread's first transfer
+        plans = _plan_cache()
+    key = None
+    if isinstance(tables_dst, LayerTable) and isinstance(tables_src, LayerTable):
+        key = (id(tables_dst), id(tables_src), quota, method)
+        try:
+            plan = plans.get(key)
+        except TypeError:  # an unhashable method: the full path below says what is wrong
+            plan = key = None
+        if plan is not None and plan.refs[0]() is tables_dst and plan.refs[1]() is tables_src:
+            return plan.run(indices_dst, indices_src)
     dst = tables_dst if isinstance(tables_dst, LayerTable) else LayerTable(tables_dst, name="tables_dst", written=True)
     src = tables_src if isinstance(tables_src, LayerTable) else LayerTable(tables_src, name="tables_src")
     if (dst.num_caches, dst.num_layers) != (src.num_caches, src.num_layers):
@@ -644,10 +820,15 @@ def transfer_all_layer(tables_dst, indices_dst, tables_src, indices_src, *, bloc
     if len(devices) > 1:
         raise ValueError(f"the two sides are on different devices ({sorted(devices)})")
     device = devices.pop()
-    return _launch(device, indices_dst, indices_src, dst_bases=(0, 0), src_bases=(0, 0),
-                   dst_tables=dst.tables(device), src_tables=src.tables(device), num_layers=dst.num_layers,
-                   dst_stride=dst.stride, src_stride=src.stride, row_bytes=dst.row_bytes, dst_rows=dst.rows,
-                   src_rows=src.rows, to_device=src.device is None, block_quota=block_quota, method=method)
+    plan = _Plan(device, dst_bases=(0, 0), src_bases=(0, 0), dst_tables=dst.tables(device),
+                 src_tables=src.tables(device), num_layers=dst.num_layers, dst_stride=dst.stride,
+                 src_stride=src.stride, row_bytes=dst.row_bytes, dst_rows=dst.rows, src_rows=src.rows,
+                 to_device=src.device is None, quota=quota, method=method)
+    # The plan holds the addresses of the LayerTables' device pointer tables,
+    # which live as long as the LayerTables, which the refs check.
+    if key is not None:
+        _keep(plans, key, plan, (dst, src))
+    return plan.run(indices_dst, indices_src)
 
 
 def _pointer_table(name: str, table, device: int | None) -> torch.Tensor:
@@ -698,4 +879,4 @@ def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *,
     return _launch(device, indices_dst, indices_src, dst_bases=(0, 0), src_bases=(0, 0),
                    dst_tables=tuple(dst_ptrs[:2]), src_tables=tuple(src_ptrs[:2]), num_layers=layers.pop(),
                    dst_stride=dst_stride_bytes, src_stride=src_stride_bytes, row_bytes=element_size,
-                   dst_rows=-1, src_rows=-1, to_device=False, block_quota=block_quota, method=method)
+                   dst_rows=-1, src_rows=-1, to_device=False, quota=_quota(block_quota), method=method)
