@@ -1,0 +1,182 @@
+"""One stand-in CUDA device for running ops.py's Python layer without a GPU.
+
+Used by tests/test_plan_cache.py and tools/bench_host_cost.py. Tensors keep
+CPU memory but claim to be on cuda:0 (``cuda(t)``) or in pinned memory
+(``pinned(t)``); the device state is built through ops._DeviceState with the
+library loader, the capability query and pinned allocation stubbed, so the
+state is the real class with the real launch code. Its C launcher is what the
+caller passes: a Python recorder (tests) or a no-op C function (the bench).
+Nothing here ever reaches a GPU: CPU-index uploads are stubbed by
+``stub_uploads``, which only the bench uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import subprocess
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+
+_DISABLED = torch._C._disabled_torch_function_impl
+
+
+class FakeCuda(torch.Tensor):
+    """CPU memory that says it is on cuda:0. torch functions are not
+    intercepted (results of ops are plain CPU tensors): only the attributes
+    ops.py reads to place a tensor are overridden."""
+
+    __torch_function__ = _DISABLED
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+    def get_device(self):
+        return 0
+
+    def view(self, *shape):  # views stay on the "GPU"
+        return cuda(torch.Tensor.view(self, *shape))
+
+
+class FakePinned(torch.Tensor):
+    """CPU memory that says it is pinned."""
+
+    __torch_function__ = _DISABLED
+
+    def is_pinned(self, device=None):
+        return True
+
+    def view(self, *shape):
+        return pinned(torch.Tensor.view(self, *shape))
+
+
+# as_subclass makes a view: ``_base`` leads to the plain tensor underneath,
+# as it leads from a real view to its buffer.
+def cuda(t: torch.Tensor) -> FakeCuda:
+    return t.as_subclass(FakeCuda)
+
+
+def pinned(t: torch.Tensor) -> FakePinned:
+    return t.as_subclass(FakePinned)
+
+
+class Recorder:
+    """A Python stand-in for hicache_transfer_launch: keeps a copy of every
+    HicacheTransfer it is given and reports ``method`` as the one that ran."""
+
+    def __init__(self, method: int = 1):
+        self.method = method
+        self.calls: list[dict] = []
+
+    def __call__(self, spec, stream, method_used) -> int:
+        from sglang_hicache_jit.ops import _CTransfer
+
+        # ops passes both by address (an int) or as ctypes.byref().
+        spec = _CTransfer.from_address(spec) if isinstance(spec, int) else spec._obj
+        call = {name: getattr(spec, name) for name, _ in _CTransfer._fields_}
+        # Without a GPU the indices are CPU memory: read them.
+        element = ctypes.c_int32 if spec.index_bytes == 4 else ctypes.c_int64
+        for side in ("src", "dst"):
+            address = call[f"indices_{side}"]
+            call[f"{side}_index_values"] = list((element * spec.num_items).from_address(address)) if address else []
+        self.calls.append(call)
+        method_used = ctypes.c_int.from_address(method_used) if isinstance(method_used, int) else method_used._obj
+        method_used.value = self.method
+        return 0
+
+    @property
+    def last(self) -> dict:
+        return self.calls[-1]
+
+
+_NOOP_SOURCE = r"""
+#include <stdint.h>
+int hicache_transfer_launch(const void* transfer, void* stream, int* method_used) {
+  (void)transfer; (void)stream;
+  if (method_used) *method_used = 1;
+  return 0;
+}
+const char* hicache_error_string(int code) { (void)code; return "fake"; }
+"""
+
+
+_noop_path: list[Path] = []
+
+
+def noop_library() -> ctypes.CDLL:
+    """A C library with the launcher's signature that does nothing: the ctypes
+    call costs what the real one does, minus the CUDA launch. Needs cc. Each
+    call returns a new handle (ops sets argtypes on the handle's functions)."""
+    if not _noop_path:
+        folder = Path(tempfile.mkdtemp(prefix="hicache-noop-"))
+        (folder / "noop.c").write_text(_NOOP_SOURCE)
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(folder / "noop.so"), str(folder / "noop.c")],
+                       check=True)
+        _noop_path.append(folder / "noop.so")
+    return ctypes.CDLL(str(_noop_path[0]))
+
+
+class _FakeKernels:
+    archs = ("sm_90",)
+
+    def __init__(self, handle, transfer):
+        self.handle = handle
+        self.ops = types.SimpleNamespace(transfer=transfer)
+
+    def supports(self, capability):
+        return True
+
+
+def install(ops, *, handle=None, transfer=None, device: int = 0):
+    """Builds ops' state for ``device`` around ``handle`` (a ctypes library
+    with hicache_transfer_launch, or None for the torch-op fallback) and
+    ``transfer`` (the torch op stand-in). Returns the state."""
+    from sglang_hicache_jit import arch, loader
+
+    real_zeros = torch.zeros
+
+    def zeros(*args, pin_memory=False, **kwargs):  # no pinned memory without a GPU
+        return real_zeros(*args, **kwargs)
+
+    saved = (arch.current_gpu_capability, loader.load_kernels, torch.zeros)
+    arch.current_gpu_capability = lambda device=None: (9, 0)
+    loader.load_kernels = lambda device=None, **kwargs: _FakeKernels(handle, transfer or (lambda *a: 1))
+    torch.zeros = zeros
+    try:
+        state = ops._DeviceState(device)
+    finally:
+        arch.current_gpu_capability, loader.load_kernels, torch.zeros = saved
+    ops._states[device] = state
+    return state
+
+
+@contextlib.contextmanager
+def stub_cuda_runtime(ops):
+    """The CUDA runtime queries ops makes per call, answered without a GPU."""
+    saved = {name: getattr(ops, name) for name in ("_raw_stream", "_current_device") if hasattr(ops, name)}
+    saved_current = torch.cuda.current_device
+    ops._raw_stream = lambda device: 0
+    if "_current_device" in saved:
+        ops._current_device = lambda: 0
+    torch.cuda.current_device = lambda: 0
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(ops, name, value)
+        torch.cuda.current_device = saved_current
+
+
+@contextlib.contextmanager
+def stub_uploads():
+    """CPU indices go through pin_memory() and .to(cuda): without a GPU both
+    return the tensor itself (their real cost is torch's, not ops.py's)."""
+    saved = (torch.Tensor.pin_memory, torch.Tensor.to)
+    torch.Tensor.pin_memory = lambda self, *a, **k: self
+    torch.Tensor.to = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.pin_memory, torch.Tensor.to = saved

@@ -1,0 +1,303 @@
+"""ops.py's launch plans, without a GPU: a repeated call reuses its plan, and
+anything that would change validation leads to a new one (or to the same
+error as before). The device is tests/fake_gpu.py's stand-in; its launcher
+records each HicacheTransfer it gets, index values included."""
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+import fake_gpu
+from sglang_hicache_jit import ops
+from sglang_hicache_jit.errors import TransferIndexError
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """A fake cuda:0 whose launcher records; yields the recorder."""
+    monkeypatch.delenv("SGLANG_HICACHE_JIT_STRICT", raising=False)
+    monkeypatch.delenv("SGLANG_HICACHE_JIT_METHOD", raising=False)
+    saved = dict(ops._states)
+    recorder = fake_gpu.Recorder()
+    with fake_gpu.stub_cuda_runtime(ops), fake_gpu.stub_uploads():
+        ops.reload_settings()  # also drops plans left by other tests
+        state = fake_gpu.install(ops)
+        state._launch_c = recorder
+        yield recorder
+    ops._states.clear()
+    ops._states.update(saved)
+    ops.reload_settings()
+
+
+def dev(rows=64, row=16, dtype=torch.uint8):
+    return fake_gpu.cuda(torch.zeros(rows, row, dtype=dtype))
+
+
+def host(rows=64, row=16, dtype=torch.uint8):
+    return fake_gpu.pinned(torch.zeros(rows, row, dtype=dtype))
+
+
+def gpu_idx(*values, dtype=torch.int64):
+    return fake_gpu.cuda(torch.tensor(values, dtype=dtype))
+
+
+def plans():
+    return ops._plan_cache()
+
+
+def forbid_validation(monkeypatch):
+    """From here on a cache validation fails the test: calls must hit a plan."""
+    def fail(*args, **kwargs):
+        raise AssertionError("validated again instead of reusing the plan")
+
+    monkeypatch.setattr(ops, "_Side", fail)
+
+
+def test_a_repeated_call_reuses_its_plan(launches, monkeypatch):
+    d, h = dev(), host()
+    assert ops.transfer_one_layer_mla(d, gpu_idx(1, 2), h, gpu_idx(3, 4)) == "plain"
+    forbid_validation(monkeypatch)
+    ops.transfer_one_layer_mla(d, gpu_idx(5, 6, 7), h, gpu_idx(8, 9, 10))
+    first, second = launches.calls
+    assert len(plans()) == 1
+    assert (first["dst_base0"], first["src_base0"]) == (d.data_ptr(), h.data_ptr())
+    assert (second["dst_index_values"], second["src_index_values"], second["num_items"]) == ([5, 6, 7], [8, 9, 10], 3)
+    assert {k: v for k, v in first.items() if "ind" not in k and k != "num_items"} == \
+        {k: v for k, v in second.items() if "ind" not in k and k != "num_items"}
+
+
+def test_fresh_views_of_one_buffer_share_a_plan(launches, monkeypatch):
+    # SGLang's routed ops cut a new view of the pool buffer on every call.
+    buf, d = torch.zeros(64, 4, 16, dtype=torch.uint8), dev()
+    ops.transfer_one_layer_mla(d.view(64, 16), gpu_idx(1), fake_gpu.pinned(buf[:, 2]), gpu_idx(1))
+    forbid_validation(monkeypatch)
+    ops.transfer_one_layer_mla(d.view(64, 16), gpu_idx(1), fake_gpu.pinned(buf[:, 2]), gpu_idx(1))
+    assert launches.calls[1]["src_base0"] == buf[:, 2].data_ptr() and launches.calls[1]["src_stride"] == 64
+    monkeypatch.undo()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), fake_gpu.pinned(buf[:, 3]), gpu_idx(1))  # another layer: its own plan
+    assert launches.last["src_base0"] == buf[:, 3].data_ptr() and len(plans()) == 2
+
+
+def test_a_replaced_tensor_gets_a_new_plan(launches):
+    d, h = dev(), host()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    d2 = dev()
+    ops.transfer_one_layer_mla(d2, gpu_idx(1), h, gpu_idx(1))
+    assert launches.last["dst_base0"] == d2.data_ptr() != d.data_ptr()
+
+
+def test_set_resize_and_as_strided_on_the_same_object_are_seen(launches):
+    d, h = dev(), host()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    d.set_(torch.zeros(64, 16, dtype=torch.uint8))  # another storage
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    assert launches.last["dst_base0"] == d.data_ptr()
+    d.resize_(32, 16)  # fewer slots, same storage and pointer
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    assert launches.last["dst_rows"] == 32 and launches.last["dst_base0"] == d.data_ptr()
+    h.as_strided_((64, 16), (8, 1))  # only the stride changes (rows may overlap on the read side)
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    assert (launches.last["src_stride"], launches.last["src_rows"]) == (8, 64)
+    h.as_strided_((32, 16), (32, 1))  # every other slot
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    assert (launches.last["src_stride"], launches.last["src_rows"]) == (32, 32)
+    h.as_strided_((32, 16), (32, 1), 16)  # offset: another pointer
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    assert launches.last["src_base0"] == h.data_ptr()
+    d.as_strided_((8, 16), (8, 1))  # rows overlap: refused for a destination
+    with pytest.raises(ValueError, match="overlapping rows"):
+        ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+
+
+def test_options_each_get_their_plan(launches):
+    d, h = fake_gpu.cuda(torch.zeros(64 * 16, dtype=torch.uint8)), host(128, 8)
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h.view(64, 16), gpu_idx(1), element_dim=16)
+    assert launches.last["row_bytes"] == 16
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1), element_dim=8)
+    assert (launches.last["row_bytes"], launches.last["dst_rows"]) == (8, 128)
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1), element_dim=8, method="bulk")
+    assert launches.last["method"] == 2
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1), element_dim=8, method="plain", block_quota=3)
+    assert (launches.last["method"], launches.last["num_blocks"]) == (1, 3)
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1), element_dim=8, method="plain")
+    assert (launches.last["method"], launches.last["num_blocks"]) == (1, 0)
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1), element_dim=8)
+    assert launches.last["method"] == 0  # auto, host -> GPU
+    assert len(plans()) == 5
+
+
+def test_a_dtype_change_on_the_same_object_is_validated(launches):
+    d, h = dev(), host()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    h.data = torch.Tensor.view(h, torch.int8)  # same object, memory, shape and strides; another dtype
+    with pytest.raises(ValueError, match="dtype"):
+        ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda d, h: ops.transfer_one_layer_mla(d, gpu_idx(1.0, dtype=torch.float32), h, gpu_idx(1)), TypeError,
+     "int32 or int64"),
+    (lambda d, h: ops.transfer_one_layer_mla(d, fake_gpu.cuda(torch.zeros(2, 2, dtype=torch.int64)), h,
+                                             gpu_idx(1)), ValueError, "1-D"),
+    (lambda d, h: ops.transfer_one_layer_mla(d, gpu_idx(1, 2), h, gpu_idx(1)), ValueError, "same length"),
+    (lambda d, h: ops.transfer_one_layer_mla(d, [1], h, gpu_idx(1)), TypeError, "indices_dst"),
+    (lambda d, h: ops.transfer_one_layer_mla(d, torch.zeros(1, dtype=torch.int64, device="meta"), h,
+                                             torch.zeros(1, dtype=torch.int64, device="meta")),
+     ValueError, "must be on the CPU or on cuda:0"),
+    (lambda d, h: ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1), block_quota=0), ValueError,
+     "block_quota"),
+    (lambda d, h: ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1), block_quota=True), ValueError,
+     "block_quota"),
+    (lambda d, h: ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1), method="fast"), ValueError, "method"),
+    (lambda d, h: ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1), method=["plain"]), ValueError,
+     "method"),
+    (lambda d, h: ops.transfer_one_layer_mla(d, gpu_idx(1), "x", gpu_idx(1)), TypeError, "cache_src"),
+    (lambda d, h: ops.transfer_one_layer_mla(d, gpu_idx(1), torch.zeros(64, 16, dtype=torch.uint8),
+                                             gpu_idx(1)), ValueError, "pinned"),
+], ids=["float-index", "2-D-index", "lengths", "list-index", "meta-index", "quota-0", "quota-bool",
+        "bad-method", "unhashable-method", "str-cache", "pageable-cache"])
+def test_validation_still_raises_after_a_plan_exists(launches, call, error, words):
+    d, h = dev(), host()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    with pytest.raises(error, match=words):
+        call(d, h)
+    assert len(launches.calls) == 2
+
+
+def test_unusual_indices_are_converted_on_a_plan(launches):
+    d, h = dev(), host()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    ops.transfer_one_layer_mla(d, gpu_idx(1, 2, dtype=torch.int32), h, gpu_idx(3, 4))  # mixed dtypes: both int64
+    assert (launches.last["index_bytes"], launches.last["dst_index_values"]) == (8, [1, 2])
+    ops.transfer_one_layer_mla(d, gpu_idx(1, 2, dtype=torch.int32), h, gpu_idx(3, 4, dtype=torch.int32))
+    assert (launches.last["index_bytes"], launches.last["src_index_values"]) == (4, [3, 4])
+    strided = fake_gpu.cuda(torch.arange(8)[::2])  # not contiguous: copied
+    ops.transfer_one_layer_mla(d, strided, h, strided)
+    assert launches.last["dst_index_values"] == [0, 2, 4, 6]
+    ops.transfer_one_layer_mla(d, gpu_idx(), h, gpu_idx())
+    assert launches.last["num_items"] == 0
+
+
+def test_cpu_indices_are_staged_together(launches):
+    d, h = dev(), host()
+    for _ in range(2):
+        ops.transfer_one_layer_mla(d, torch.tensor([5, 6], dtype=torch.int32), h, torch.tensor([7, 8],
+                                                                                                  dtype=torch.int32))
+        call = launches.last
+        assert (call["dst_index_values"], call["src_index_values"], call["index_bytes"]) == ([5, 6], [7, 8], 4)
+        assert call["indices_src"] == call["indices_dst"] + 8  # one staging buffer
+    ops.transfer_one_layer_mla(d, torch.tensor([5]), h, fake_gpu.cuda(torch.tensor([7])))  # CPU and GPU: each moved
+    assert (launches.last["dst_index_values"], launches.last["src_index_values"]) == ([5], [7])
+
+
+def test_a_pending_error_raises_on_a_plan(launches):
+    d, h = dev(), host()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    state = ops._states[0]
+    state.error_view[1] = 1  # as the kernel does for an index past the destination pool
+    with pytest.raises(TransferIndexError, match="indices_dst"):
+        ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    assert list(state.error_view) == [0, 0, 0, 0]
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    assert len(launches.calls) == 2
+
+
+def test_tuning_and_settings_drop_plans(launches, monkeypatch):
+    d, h = dev(), host()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    previous = ops.set_tuning(bulk_warps=2, read_align=64)
+    try:
+        ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+        assert (launches.last["bulk_warps"], launches.last["read_align"]) == (2, 64)
+    finally:
+        ops.set_tuning(**previous)
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    assert (launches.last["bulk_warps"], launches.last["read_align"]) == (0, 0)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_METHOD", "bulk")
+    ops.reload_settings()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    assert launches.last["method"] == 2
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_STRICT", "1")
+    ops.reload_settings()
+    with pytest.raises(TransferIndexError, match="only 64 slots"):
+        ops.transfer_one_layer_mla(d, torch.tensor([64]), h, torch.tensor([1]))
+
+
+def test_the_torch_op_fallback_runs_from_a_plan(launches):
+    d, h = dev(), host()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    seen = []
+    state = ops._states[0]
+    state._launch_c, state.transfer = None, lambda idx_src, idx_dst, *args: seen.append(
+        (idx_src.tolist(), idx_dst.tolist(), args)) or 2
+    assert ops.transfer_one_layer_mla(d, gpu_idx(1, 2), h, gpu_idx(3, 4)) == "bulk"
+    assert ops.transfer_one_layer_mla(d, torch.tensor([5]), h, torch.tensor([6])) == "bulk"  # staged CPU indices
+    assert [(s, t) for s, t, _ in seen] == [([3, 4], [1, 2]), ([6], [5])]
+    args = seen[0][2]
+    assert (args[0], args[2], args[10], args[11], args[12]) == (h.data_ptr(), d.data_ptr(), 16, 16, 16)
+
+
+def test_mha_and_all_layer_plans(launches, monkeypatch):
+    kd, vd, kh, vh = dev(), dev(), host(), host()
+    ops.transfer_one_layer(kd, vd, gpu_idx(1), kh, vh, gpu_idx(2))
+    forbid_validation(monkeypatch)
+    ops.transfer_one_layer(kd, vd, gpu_idx(1), kh, vh, gpu_idx(2))
+    assert (launches.last["dst_base1"], launches.last["num_caches"]) == (vd.data_ptr(), 2)
+    monkeypatch.undo()
+    vd.set_(torch.zeros(64, 16, dtype=torch.uint8))
+    ops.transfer_one_layer(kd, vd, gpu_idx(1), kh, vh, gpu_idx(2))
+    assert launches.last["dst_base1"] == vd.data_ptr()
+
+    dev_table = ops.LayerTable(([kd, kd], [vd, vd]), written=True)
+    host_table = ops.LayerTable(([kh, kh], [vh, vh]))
+    for table in (dev_table, host_table):  # LayerTable.tables() uploads them on a GPU
+        table._tables[0] = [torch.tensor([s.ptr for s in sides], dtype=torch.uint64) for sides in table.sides]
+    ops.transfer_all_layer(dev_table, gpu_idx(1), host_table, gpu_idx(2))
+    forbid_validation(monkeypatch)
+    monkeypatch.setattr(ops, "_Plan", None)  # a hit builds nothing
+    ops.transfer_all_layer(dev_table, gpu_idx(1), host_table, gpu_idx(2))
+    assert launches.last["dst_table0"] == dev_table._tables[0][0].data_ptr()
+    assert launches.last["num_layers"] == 2
+
+
+def test_plans_keep_nothing_alive(launches):
+    d, h = dev(), host()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    refs = [weakref.ref(d), weakref.ref(h), weakref.ref(d._base), weakref.ref(h._base)]
+    del d, h
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
+def test_each_thread_has_its_own_plans(launches):
+    d, h = dev(), host()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    theirs = []
+
+    def other():
+        ops.transfer_one_layer_mla(d, gpu_idx(2), h, gpu_idx(2))
+        theirs.extend(ops._plan_cache().values())
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert len(theirs) == 1 and theirs[0] is not next(iter(plans().values()))
+    assert launches.last["dst_index_values"] == [2]
+    ops.set_tuning(bulk_warps=0)  # drops every thread's plans, this one's too
+    assert not plans()
+
+
+def test_resident_plans_submit_to_the_queue(launches, monkeypatch):
+    d, h = dev(), host()
+    state = ops._states[0]
+    queued = []
+    monkeypatch.setattr(state, "_submit_resident", lambda spec: queued.append(
+        (spec.method, spec.num_items, spec.dst_base0)) or 17)
+    for _ in range(2):
+        assert ops.transfer_one_layer_mla(d, gpu_idx(1, 2), h, gpu_idx(3, 4), method="resident") == "resident-plain"
+    assert queued == [(0, 2, d.data_ptr())] * 2  # the struct holds the method without the resident flag
+    assert not launches.calls
