@@ -210,6 +210,36 @@ def test_runs_on_the_current_stream():
     assert torch.equal(host[:512], dev[:512].cpu())
 
 
+def test_repeated_calls_follow_the_tensors():
+    """Calls that reuse a launch plan (same tensors, fresh views of one
+    buffer) and calls after set_()/resize_() on the same objects all land
+    bit-exact, with GPU and CPU indices."""
+    gen = torch.Generator().manual_seed(11)
+    row = 576
+    (host_buf,), (host_layers,) = _host_pool("page_first", row)
+    dev = _random_bytes((DEVICE_SLOTS, row), "cuda")
+    for round_ in range(3):
+        for layer in (1, 2, 1):
+            host_idx, dev_idx = _index_pair(3, torch.int64, gen)
+            host_view = host_buf[:, layer]  # a fresh view per call, as SGLang's routed ops cut
+            expected = _reference_copy(dev, dev_idx.cuda(), host_view.cuda(), host_idx.cuda())
+            indices = (dev_idx, host_idx) if round_ == 1 else (dev_idx.cuda(), host_idx.cuda())
+            ops.transfer_one_layer_mla(dev, indices[0], host_view, indices[1])
+            torch.cuda.synchronize()
+            assert torch.equal(dev, expected)
+        if round_:
+            assert torch.equal(previous, previous_before)  # copies went to the new storage only
+        previous = dev[:]  # keeps the current storage alive after set_()
+        previous_before = previous.clone()
+        dev.set_(_random_bytes((DEVICE_SLOTS, row), "cuda"))  # same object, new storage
+    dev.resize_(DEVICE_SLOTS // 2, row)  # same pointer, fewer slots: the kernel must see the new bound
+    with pytest.raises(TransferIndexError):
+        ops.transfer_one_layer_mla(dev, torch.tensor([DEVICE_SLOTS // 2 + 1], device="cuda"), host_layers[0],
+                                   torch.tensor([0], device="cuda"))
+        ops.check_errors()
+    ops.check_errors()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_second_device():
     dev = _random_bytes((DEVICE_SLOTS, 576), "cuda:1")
