@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Host cost of ops.py's Python layer per transfer call, measured without a GPU.
+
+Tensors are CPU memory dressed as cuda:0 or pinned memory and the C launcher
+is a no-op C function with the same signature, called through ctypes as the
+real one is (tests/fake_gpu.py), so what is timed is the validation, the
+argument packing and the ctypes call; not the CUDA launch, the runtime's
+stream and device queries (stubbed), nor, for CPU indices, torch's pinned
+staging and upload (stubbed: .pin_memory() and .to() return the tensor).
+The stand-in tensors make each tensor attribute read ~60 ns dearer than a
+real one, in both columns.
+Needs a C compiler (cc). Run from the checkout:
+
+    python3 tools/bench_host_cost.py                 # this tree's ops.py
+    python3 tools/bench_host_cost.py --baseline main # ... and main's, side by side
+
+On a GPU, ``sglang-hicache-jit bench --mode overhead`` measures the whole call.
+"""
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import torch  # noqa: E402
+
+import fake_gpu  # noqa: E402
+from sglang_hicache_jit import ops as current_ops  # noqa: E402
+
+TOKENS, SLOTS, LAYERS, ROW = 64, 4096, 8, 1152
+
+
+def load_baseline(rev: str):
+    """ops.py as of git revision ``rev``, as a module of this package (its
+    relative imports resolve to this tree's other modules)."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:sglang_hicache_jit/ops.py"],
+                            check=True, capture_output=True, text=True).stdout
+    name = "sglang_hicache_jit._ops_baseline"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "sglang_hicache_jit"
+    exec(compile(source, f"{rev}:sglang_hicache_jit/ops.py", "exec"), module.__dict__)
+    sys.modules[name] = module
+    return module
+
+
+def layer_table(ops, groups, **kwargs):
+    """A LayerTable whose device pointer tables are CPU tensors (built on a
+    GPU by LayerTable.tables on first use)."""
+    table = ops.LayerTable(groups[0] if len(groups) == 1 else tuple(groups), **kwargs)
+    table._tables[0] = [torch.tensor([s.ptr for s in sides], dtype=torch.uint64) for sides in table.sides]
+    return table
+
+
+def calls(ops):
+    """The timed calls, host -> GPU as in bench --mode overhead."""
+    dev = [[fake_gpu.cuda(torch.zeros(SLOTS, ROW, dtype=torch.uint8)) for _ in range(LAYERS)] for _ in range(2)]
+    # page_first host pool: [slots, layers, row]; a layer is a strided view.
+    host_buf = [torch.zeros(SLOTS, LAYERS, ROW, dtype=torch.uint8) for _ in range(2)]
+    host = [[fake_gpu.pinned(buf[:, layer]) for layer in range(LAYERS)] for buf in host_buf]
+    idx_gpu = fake_gpu.cuda(torch.arange(TOKENS))
+    idx_cpu = torch.arange(TOKENS)
+    mla_dev, mla_host = layer_table(ops, dev[:1], written=True), layer_table(ops, host[:1])
+    mha_dev, mha_host = layer_table(ops, dev, written=True), layer_table(ops, host)
+    return {
+        "MLA one-layer, GPU indices": lambda: ops.transfer_one_layer_mla(dev[0][0], idx_gpu, host[0][0], idx_gpu),
+        "MLA one-layer, CPU indices": lambda: ops.transfer_one_layer_mla(dev[0][0], idx_cpu, host[0][0], idx_cpu),
+        # SGLang's routed ops cut a fresh view of each pool buffer per call.
+        "MLA one-layer, fresh views": lambda: ops.transfer_one_layer_mla(
+            dev[0][0].view(SLOTS, -1), idx_gpu, fake_gpu.pinned(host_buf[0][:, 0]), idx_gpu),
+        "MHA one-layer, GPU indices": lambda: ops.transfer_one_layer(dev[0][0], dev[1][0], idx_gpu,
+                                                                     host[0][0], host[1][0], idx_gpu),
+        "MLA all-layer (LayerTable)": lambda: ops.transfer_all_layer(mla_dev, idx_gpu, mla_host, idx_gpu),
+        "MHA all-layer (LayerTable)": lambda: ops.transfer_all_layer(mha_dev, idx_gpu, mha_host, idx_gpu),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", metavar="REV", help="also time ops.py of this git revision")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds; the best counts (the "
+                        "least disturbed by other processes)")
+    parser.add_argument("--calls", type=int, default=5000, help="calls per round")
+    args = parser.parse_args()
+
+    versions = {"this tree": current_ops}
+    if args.baseline:
+        versions = {args.baseline: load_baseline(args.baseline), **versions}
+    suites = {}
+    with fake_gpu.stub_cuda_runtime(current_ops), fake_gpu.stub_uploads():
+        for label, ops in versions.items():
+            with fake_gpu.stub_cuda_runtime(ops):
+                fake_gpu.install(ops, handle=fake_gpu.noop_library())
+            suites[label] = calls(ops)
+        samples = {(label, case): [] for label, suite in suites.items() for case in suite}
+        for _ in range(args.rounds):  # interleaved, so drift hits every column alike
+            for label, suite in suites.items():
+                ops = versions[label]
+                with fake_gpu.stub_cuda_runtime(ops):
+                    for case, fn in suite.items():
+                        fn()
+                        start = time.perf_counter()
+                        for _ in range(args.calls):
+                            fn()
+                        samples[label, case].append((time.perf_counter() - start) / args.calls * 1e6)
+    labels = list(suites)
+    print(f"{'us per call (best of ' + str(args.rounds) + ' rounds)':<30}" + "".join(f"{lb:>14}" for lb in labels)
+          + ("   change" if len(labels) == 2 else ""))
+    for case in suites[labels[0]]:
+        medians = [min(samples[label, case]) for label in labels]
+        change = f"   {medians[1] / medians[0] - 1:+.0%}" if len(medians) == 2 else ""
+        print(f"{case:<30}" + "".join(f"{m:14.2f}" for m in medians) + change)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
