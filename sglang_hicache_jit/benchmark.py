@@ -467,7 +467,8 @@ def overhead(args) -> list[dict]:
     records = []
     tokens = 64
     dev = torch.randint(0, 256, (4096, 1152), dtype=torch.uint8, device="cuda")
-    host = torch.empty((4096, 8, 1152), dtype=torch.uint8, pin_memory=True)[:, 3]
+    host_buf = torch.empty((4096, 8, 1152), dtype=torch.uint8, pin_memory=True)
+    host = host_buf[:, 3]
     idx_gpu = torch.arange(tokens, device="cuda")
     idx_cpu = torch.arange(tokens)
     contiguous_host = torch.empty(tokens * 1152, dtype=torch.uint8, pin_memory=True)
@@ -484,6 +485,9 @@ def overhead(args) -> list[dict]:
     calls = {
         "jit one-layer, GPU indices": lambda: ops.transfer_one_layer_mla(dev, idx_gpu, host, idx_gpu),
         "jit one-layer, CPU indices": lambda: ops.transfer_one_layer_mla(dev, idx_cpu, host, idx_cpu),
+        # SGLang's routed ops pass a fresh view of each pool buffer per call.
+        "jit one-layer, fresh views": lambda: ops.transfer_one_layer_mla(dev.view(4096, -1), idx_gpu,
+                                                                        host_buf[:, 3], idx_gpu),
         "jit one-layer, via torch op": through_torch_op,
         "torch copy_ (contiguous)": lambda: contiguous_dev.copy_(contiguous_host, non_blocking=True),
     }
