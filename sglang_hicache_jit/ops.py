@@ -151,10 +151,12 @@ class _DeviceState:
         return message.decode() if message else str(err)
 
     def _submit_resident(self, spec) -> int:
-        with torch.cuda.device(self.device):
-            queue = self._resident_queue()
-            err = self.library.handle.hicache_resident_submit(queue, ctypes.byref(spec), _raw_stream(self.device),
-                                                              self._method_used_ref)
+        if _current_device() != self.device:
+            with torch.cuda.device(self.device):
+                return self._submit_resident(spec)
+        queue = self.resident or self._resident_queue()
+        err = self.library.handle.hicache_resident_submit(queue, ctypes.byref(spec), _raw_stream(self.device),
+                                                          self._method_used_ref)
         if err:
             raise RuntimeError(f"hicache transfer (resident): {self._error_string(err)}")
         return self._method_used.value
