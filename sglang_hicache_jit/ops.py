@@ -484,13 +484,16 @@ def _method_code(method, to_device: bool) -> int:
     """Measured policy for 'auto': the bulk engine for host -> GPU (plain loads
     from host memory stall a few SMs), plain loads/stores otherwise (they
     keep scattered host writes fast where bulk stores do not). 'resident'
-    applies the same policy inside the resident kernel."""
+    runs the bulk engine both ways inside the resident kernel (see below)."""
     name = _settings["method"] if method is None else method
     if name == "auto":
         return _METHODS["auto"] if to_device else _METHODS["plain"]
     if name == "resident":
-        return _RESIDENT | (_METHODS["auto"] if to_device else _METHODS["plain"])
-    if name in ("resident-plain", "resident-bulk"):  # for benchmarks: the method inside the resident kernel
+        # The bulk engine both ways: beside a saturating matmul, resident bulk stores to the host kept
+        # 0.91 of the link where plain stores kept 0.62 (4 CTAs, docs/BENCHMARKS.md). Scattered
+        # page-1 backups favour plain stores on an idle GPU: 'resident-plain' asks for them.
+        return _RESIDENT | _METHODS["auto"]
+    if name in ("resident-plain", "resident-bulk"):
         return _RESIDENT | _METHODS[name[9:]]
     try:
         return _METHODS[name]

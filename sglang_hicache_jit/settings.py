@@ -30,7 +30,7 @@ SGLANG_PLUGIN = "SGLANG_HICACHE_JIT_SGLANG_PLUGIN"
 RESIDENT_BLOCKS = "SGLANG_HICACHE_JIT_RESIDENT_BLOCKS"
 RESIDENT_IDLE_US = "SGLANG_HICACHE_JIT_RESIDENT_IDLE_US"
 
-METHODS = ("auto", "plain", "bulk", "resident")
+METHODS = ("auto", "plain", "bulk", "resident", "resident-bulk", "resident-plain")
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -105,7 +105,8 @@ def strict() -> bool:
 
 
 def method() -> str:
-    """Copy method for the kernels: auto (default), plain, bulk or resident."""
+    """Copy method for the kernels: auto (default), plain, bulk, or resident (resident-bulk,
+    resident-plain name the copy loop inside the resident kernel)."""
     value = os.environ.get(METHOD, "auto").strip().lower() or "auto"
     if value not in METHODS:
         raise bad(METHOD, value, f"it must be one of {', '.join(METHODS)}")
@@ -127,7 +128,7 @@ def _whole_number(name: str, default: int, low: int, high: int) -> int:
 
 def resident_blocks() -> int:
     """CTAs the resident method keeps on the GPU (SMs taken from other work while it runs)."""
-    return _whole_number(RESIDENT_BLOCKS, 8, 1, 1024)
+    return _whole_number(RESIDENT_BLOCKS, 4, 1, 1024)
 
 
 def resident_idle_us() -> int:
@@ -257,7 +258,7 @@ _DESCRIBED = (
     (DISABLE, disabled, "off"),
     (STRICT, strict, "off"),
     (METHOD, method, "auto"),
-    (RESIDENT_BLOCKS, resident_blocks, "8 CTAs"),
+    (RESIDENT_BLOCKS, resident_blocks, "4 CTAs"),
     (RESIDENT_IDLE_US, resident_idle_us, "2000 us"),
     (LOCK_TIMEOUT, lock_timeout, "3600 s"),
     (BUILD_JOBS, build_jobs, "ninja's choice (CPUs + 2)"),

@@ -67,6 +67,9 @@ def test_prewarm_then_warm_load_runs_no_subprocess(session_cache):
         "from sglang_hicache_jit.loader import load_kernels\n"
         "t = time.perf_counter(); lib = load_kernels('9.0'); dt = time.perf_counter() - t\n"
         "assert hasattr(lib.ops, 'transfer'), lib\n"
+        "for name in ('hicache_transfer_launch', 'hicache_resident_create', 'hicache_resident_submit',\n"
+        "             'hicache_resident_stats', 'hicache_resident_destroy'):\n"
+        "    assert hasattr(lib.handle, name), name  # the C entry points ops.py calls through ctypes\n"
         "print(lib.path, dt)\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
