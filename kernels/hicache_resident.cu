@@ -50,10 +50,8 @@ struct ResidentEntry {
   KernelParams params;
   int32_t method;       // HICACHE_METHOD_PLAIN or _BULK
   int32_t index_bytes;  // 4 or 8
-  int32_t vec;          // plain copies: bytes per vector
   int32_t blocks;       // CTAs that copy (the others only arrive)
   int32_t warps;        // bulk copies: warps per CTA
-  int32_t pad;
 };
 static_assert(sizeof(ResidentEntry) % 4 == 0, "entries are read as 32-bit words");
 
@@ -136,11 +134,12 @@ __device__ void copy_entry(const ResidentEntry& e, unsigned char* smem) {
 #endif
     return;
   }
-  const bool wide = e.index_bytes == 8;
-  switch (e.vec) {
-    case 16: wide ? plain_rows<int64_t, 16>(p, blockIdx.x, e.blocks) : plain_rows<int32_t, 16>(p, blockIdx.x, e.blocks); break;
-    case 8: wide ? plain_rows<int64_t, 8>(p, blockIdx.x, e.blocks) : plain_rows<int32_t, 8>(p, blockIdx.x, e.blocks); break;
-    default: wide ? plain_rows<int64_t, 4>(p, blockIdx.x, e.blocks) : plain_rows<int32_t, 4>(p, blockIdx.x, e.blocks); break;
+  // 16-byte vectors only: rows and strides that are not multiples of 16 bytes are launched as usual
+  // (hicache_resident_submit), which keeps this kernel, and the library every process loads, small.
+  if (e.index_bytes == 8) {
+    plain_rows<int64_t, 16>(p, blockIdx.x, e.blocks);
+  } else {
+    plain_rows<int32_t, 16>(p, blockIdx.x, e.blocks);
   }
 }
 
@@ -352,7 +351,9 @@ extern "C" int hicache_resident_submit(HicacheResident* r, const HicacheTransfer
   if (const cudaError_t err = cudaStreamIsCapturing(s, &capture)) return err;
   // A graph replays what was captured, not a queue entry: capture an ordinary launch.
   if (capture != cudaStreamCaptureStatusNone) return fall_back(r, t, stream, method_used);
-  if (t->num_items > kMaxWork / work_per_item(*t, method)) return fall_back(r, t, stream, method_used);
+  if (t->num_items > kMaxWork / work_per_item(*t, method) || vector_width(*t) != 16) {
+    return fall_back(r, t, stream, method_used);
+  }
 
   std::lock_guard<std::mutex> lock(r->mu);
   const uint64_t seq = r->next_seq;
@@ -371,14 +372,12 @@ extern "C" int hicache_resident_submit(HicacheResident* r, const HicacheTransfer
   }
   e.method = method;
   e.index_bytes = t->index_bytes;
-  e.vec = method == HICACHE_METHOD_BULK ? 16 : vector_width(*t);
   e.warps = static_cast<int32_t>(bulk.warps);
   const int64_t quota = t->num_blocks > 0 && t->num_blocks < r->blocks ? t->num_blocks : r->blocks;
   const int64_t per_block = method == HICACHE_METHOD_BULK ? int64_t{kBulkLanes} * bulk.warps
                                                           : int64_t{kPlainThreads} * kPlainUnroll;
   const int64_t needed = (int64_t{e.params.total_vecs} + per_block - 1) / per_block;
   e.blocks = static_cast<int32_t>(needed < quota ? needed : quota);
-  e.pad = 0;
   // The entry is in memory before `submitted` says it exists and before any stream can release it.
   std::atomic_thread_fence(std::memory_order_seq_cst);
   *static_cast<volatile uint64_t*>(&r->host->submitted) = seq;

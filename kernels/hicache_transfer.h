@@ -101,8 +101,9 @@ int hicache_resident_create(int blocks, int queue_slots, int64_t idle_us, Hicach
 
 // Like hicache_transfer_launch, through the queue. Falls back to an ordinary
 // launch on `stream` (same order guarantees) while the stream is being
-// captured into a CUDA graph, when the queue is full, or for a transfer too
-// large for one queue entry.
+// captured into a CUDA graph, when the queue is full, for a transfer too
+// large for one queue entry, and for rows or strides that are not multiples
+// of 16 bytes.
 int hicache_resident_submit(HicacheResident* r, const HicacheTransfer* transfer, void* stream, int* method_used);
 
 // Counters since creation: [0] kernel launches, [1] transfers queued,
