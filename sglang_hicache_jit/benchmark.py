@@ -409,7 +409,7 @@ def interference(args) -> list[dict]:
                     alone = statistics.median(time_call(fn))
                     if provider == "ceiling" and priority_name == "normal":
                         ceiling = nbytes / alone / 1e9
-                    side = _green_stream(args.green_sms, priority) if args.green_sms else torch.cuda.Stream(priority=priority)
+                    side = torch.cuda.Stream(priority=priority)
                     reps = max(3, int(round(args.gemm_seconds / gemm_alone)))
                     torch.cuda.synchronize()
                     g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -441,8 +441,7 @@ def interference(args) -> list[dict]:
                     torch.cuda.synchronize()
                     gemm_loaded = g0.elapsed_time(g1) / 1e3 / reps
                     loaded_gbps = count * nbytes / (t0.elapsed_time(t1) / 1e3) / 1e9
-                    record = dict(mode="interference", load=args.load, green_sms=args.green_sms, workload=workload,
-                                  direction=direction,
+                    record = dict(mode="interference", load=args.load, workload=workload, direction=direction,
                                   tokens=tokens, page_size=page_size, provider=provider, family=family(provider),
                                   kernel=getattr(fn, "kernel", None), priority=priority_name,
                                   transfers=count, gbps_alone=nbytes / alone / 1e9, gbps_loaded=loaded_gbps,
@@ -456,26 +455,6 @@ def interference(args) -> list[dict]:
         del pools
         torch.cuda.empty_cache()
     return records
-
-
-_green_contexts: list = []  # kept alive for the run: their streams belong to them
-
-
-def _green_stream(sms: int, priority: int):
-    """A side stream in a green context of ``sms`` SMs (torch.cuda.green_contexts), the load staying in
-    the primary context: does confining the copy to its own SMs keep them while the load runs?"""
-    import torch
-    from torch.cuda.green_contexts import GreenContext
-
-    ctx = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
-    _green_contexts.append(ctx)
-    if hasattr(ctx, "Stream"):  # newer torch
-        return ctx.Stream()
-    ctx.set_context()  # older torch: streams made while it is current belong to it
-    try:
-        return torch.cuda.Stream(priority=priority)
-    finally:
-        ctx.pop_context()
 
 
 def overhead(args) -> list[dict]:
@@ -657,8 +636,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "overhead: host cost per call")
     p.add_argument("--gemm-size", type=int, default=8192, help="interference: square bf16 matmul size")
     p.add_argument("--gemm-seconds", type=float, default=0.05, help="interference: matmul time per measurement")
-    p.add_argument("--green-sms", type=int, default=0,
-                   help="interference: run the transfers on a stream of a green context of this many SMs")
     p.add_argument("--priorities", nargs="+", default=["normal", "high"], choices=["normal", "high"],
                    help="interference: side-stream priorities to measure")
     p.add_argument("--load", default="matmul", choices=["matmul", "decode"],
