@@ -3,8 +3,10 @@ anything that would change validation leads to a new one (or to the same
 error as before). The device is tests/fake_gpu.py's stand-in; its launcher
 records each HicacheTransfer it gets, index values included."""
 
+import contextlib
 import gc
 import threading
+import types
 import weakref
 
 import pytest
@@ -301,3 +303,71 @@ def test_resident_plans_submit_to_the_queue(launches, monkeypatch):
         assert ops.transfer_one_layer_mla(d, gpu_idx(1, 2), h, gpu_idx(3, 4), method="resident") == "resident-plain"
     assert queued == [(0, 2, d.data_ptr())] * 2  # the struct holds the method without the resident flag
     assert not launches.calls
+
+
+class _FakeResidentLibrary:
+    """The resident entry points of the C library, in Python: records the calls; submit can be held."""
+
+    def __init__(self):
+        self.events = []
+        self.inside, self.release = threading.Event(), threading.Event()
+        self.release.set()
+        # Plain functions, as ctypes functions take argtypes/restype attributes (bound methods do not).
+        self.handle = types.SimpleNamespace(
+            hicache_resident_create=lambda *a: self.create(*a), hicache_resident_submit=lambda *a: self.submit(*a),
+            hicache_resident_destroy=lambda *a: self.destroy(*a), hicache_resident_stats=lambda queue, out: None,
+            hicache_error_string=lambda err: b"fake error")
+        self.next_queue = 1000
+
+    def create(self, blocks, slots, idle_us, out):
+        self.next_queue += 1
+        out._obj.value = self.next_queue
+        self.events.append(("create", self.next_queue, blocks))
+        return 0
+
+    def submit(self, queue, spec, stream, method_used):
+        self.events.append(("submit", queue))
+        self.inside.set()
+        self.release.wait(10)
+        method_used._obj.value = 18
+        return 0
+
+    def destroy(self, queue, timeout_ms):
+        self.events.append(("destroy", queue))
+        return 0
+
+
+def test_resident_stop_waits_for_a_submit_in_flight(launches, monkeypatch):
+    """stop_resident frees the queue: it must never run while another thread is inside submit."""
+    state = ops._states[0]
+    fake = _FakeResidentLibrary()
+    monkeypatch.setattr(state, "library", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    d, h = dev(), host()
+    assert ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(2), method="resident") == "resident-bulk"
+    first = fake.events[0][1]
+    assert fake.events == [("create", first, 4), ("submit", first)]
+
+    fake.inside.clear()
+    fake.release.clear()
+    submitter = threading.Thread(target=lambda: ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(2),
+                                                                            method="resident"))
+    submitter.start()
+    assert fake.inside.wait(10)
+    stopper = threading.Thread(target=ops.stop_resident)
+    stopper.start()
+    stopper.join(0.2)
+    assert stopper.is_alive() and ("destroy", first) not in fake.events  # held back by the submit
+    fake.release.set()
+    submitter.join(10)
+    stopper.join(10)
+    assert fake.events[-2:] == [("submit", first), ("destroy", first)]
+    assert ops.resident_stats(0) is None
+
+    # The next resident transfer makes a new queue.
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(2), method="resident")
+    assert fake.events[-2:] == [("create", first + 1, 4), ("submit", first + 1)]
+    ops.stop_resident(0)
+    assert fake.events[-1] == ("destroy", first + 1)
