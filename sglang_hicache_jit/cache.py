@@ -93,9 +93,24 @@ class _LazyPattern:
 # The names this package gives to what it creates (see the layout above).
 ARCH_TAG = _LazyPattern(r"^sm\d+[af]?(\+ptx)?(-sm\d+[af]?(\+ptx)?)*$")
 ENTRY_NAME = _LazyPattern(r"^[a-z0-9_]+-[0-9a-f]{16}$")
-FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # manifests name their log: used on every load
+class _FileName:
+    """``^[A-Za-z0-9_][A-Za-z0-9_.-]*$`` without a regex: manifests name their log, checked on every load,
+    and compiling the pattern cost ~0.2 ms of the warm load."""
+
+    _FIRST = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+    _REST = _FIRST | frozenset(".-")
+
+    def match(self, string: str) -> bool:
+        return bool(string) and string[0] in self._FIRST and all(c in self._REST for c in string)
+
+
+FILE_NAME = _FileName()
 FAILURE_NAME = _LazyPattern(r"^[a-z0-9_]+-[0-9a-f]{16}\.failed\.(json|log)$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_HEX = frozenset("0123456789abcdef")
+
+
+def _is_sha256(text: str) -> bool:
+    return len(text) == 64 and all(c in _HEX for c in text)
 _SERVICE_DIRS = (".locks", ".staging", ".trash")
 # The last-use marker is refreshed at most this often: pruning needs the day, not the second.
 _TOUCH_INTERVAL = 3600.0
@@ -164,7 +179,7 @@ def manifest_problem(manifest) -> str | None:
         return "has no valid 'components.cuda_flags'"
     if not _is_int(manifest.get("size")) or manifest["size"] < 0:
         return "has no valid 'size'"
-    if not isinstance(manifest.get("sha256"), str) or not _SHA256.match(manifest["sha256"]):
+    if not isinstance(manifest.get("sha256"), str) or not _is_sha256(manifest["sha256"]):
         return "has no valid 'sha256'"
     log_name = manifest.get("log", BUILD_LOG)
     # The log is a file of the entry: one plain name, never a path (export packs it).

@@ -29,6 +29,7 @@ TORCH_ARCH_LIST = "TORCH_CUDA_ARCH_LIST"
 SGLANG_PLUGIN = "SGLANG_HICACHE_JIT_SGLANG_PLUGIN"
 RESIDENT_BLOCKS = "SGLANG_HICACHE_JIT_RESIDENT_BLOCKS"
 RESIDENT_IDLE_US = "SGLANG_HICACHE_JIT_RESIDENT_IDLE_US"
+LINEINFO = "SGLANG_HICACHE_JIT_LINEINFO"
 
 METHODS = ("auto", "plain", "bulk", "resident", "resident-bulk", "resident-plain")
 
@@ -97,6 +98,12 @@ def disabled() -> bool:
 def sglang_plugin_enabled() -> bool:
     """SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0 leaves SGLang exactly as it is (the plugin patches nothing)."""
     return os.environ.get(SGLANG_PLUGIN, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def lineinfo() -> bool:
+    """SGLANG_HICACHE_JIT_LINEINFO=1 builds with nvcc -lineinfo (profilers map machine code to source lines);
+    the machine code is the same, the library three times larger, and it is a separate cache entry."""
+    return _flag(LINEINFO)
 
 
 def strict() -> bool:
@@ -257,6 +264,7 @@ _DESCRIBED = (
     (TORCH_ARCH_LIST, lambda: _raw(TORCH_ARCH_LIST), "unset: the current GPU"),
     (DISABLE, disabled, "off"),
     (STRICT, strict, "off"),
+    (LINEINFO, lineinfo, "off"),
     (METHOD, method, "auto"),
     (RESIDENT_BLOCKS, resident_blocks, "4 CTAs"),
     (RESIDENT_IDLE_US, resident_idle_us, "2000 us"),

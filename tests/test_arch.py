@@ -65,3 +65,47 @@ def test_no_gpu_and_no_arch_says_how_to_name_one(monkeypatch):
     with pytest.raises(NoArchError, match="--arch 9.0") as info:
         resolve_archs()
     assert info.value.code == "no_arch"
+
+
+def test_fast_paths_parse_as_the_patterns_do():
+    """parse_arch reads plain 'M.m' without its regex, and parse_arch_list skips the split when there is
+    nothing to split: both must give what the patterns give, for any input."""
+    import random
+    import re
+
+    from sglang_hicache_jit import arch
+
+    pattern = re.compile(arch._ARCH_PATTERN, re.IGNORECASE)
+
+    def by_pattern(text):
+        match = pattern.match(text.strip())
+        if not match:
+            return None
+        digits, minor, suffix, ptx = match.groups()
+        if minor is None:
+            if len(digits) < 2:
+                return None
+            digits, minor = digits[:-1], digits[-1]
+        return arch.Arch(int(digits), int(minor), suffix.lower(), bool(ptx))
+
+    rng = random.Random(3)
+    samples = ["9.0", "0.5", "10.0", "9.0a", " 9.0 ", "9.x", "a.0", "9.00", "9,0", "9.0\u00a0"]
+    samples += ["".join(rng.choice("0123456789.afsm_+PTX ") for _ in range(rng.randint(1, 5))) for _ in range(3000)]
+    for text in samples:
+        try:
+            got = arch.parse_arch(text)
+        except ValueError:
+            got = None
+        assert got == by_pattern(text), repr(text)
+    for text in ["9.0", "9.0\u00a08.0", "8.0;9.0", "hopper", "9.0 ", "\u20039.0"]:
+        try:
+            got = arch.parse_arch_list(text)
+        except ValueError:
+            got = None
+        parts = [p for p in re.split(r"[;,\s]+", text.strip()) if p]
+        try:
+            expected = tuple(sorted({a for p in parts for a in map(arch.parse_arch,
+                                                                    arch.NAMED_ARCHS.get(p.lower(), p).split(";"))}))
+        except ValueError:
+            expected = None
+        assert got == (expected or None), repr(text)
