@@ -302,9 +302,12 @@ def check_errors(device: int | torch.device | None = None, *, synchronize: bool 
 def stop_resident(device: int | torch.device | None = None) -> None:
     """Stops the resident copy kernel (method 'resident') and gives its SMs back.
 
-    Queued transfers finish first (up to 2 s for streams still behind them).
-    ``device=None`` stops it on every device. The next resident transfer
-    starts it again. Called at interpreter exit.
+    Queued transfers finish first: it waits up to 2 s for streams that have
+    not reached theirs yet. A stream that reaches a queued transfer only after
+    that would wait for it forever, so stop when no stream still has resident
+    transfers ahead of it (e.g. after synchronizing them). ``device=None``
+    stops it on every device. The next resident transfer starts it again.
+    Called at interpreter exit.
     """
     if device is None:
         states = list(_states.values())
