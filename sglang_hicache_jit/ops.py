@@ -109,30 +109,16 @@ class _DeviceState:
         self.resident = None  # the resident kernel's queue (a C pointer), created by the first resident transfer
         self._resident_lock = threading.Lock()
 
-    def launch(self, idx_src: torch.Tensor, idx_dst: torch.Tensor, *args) -> int:
-        """One copy on the current stream of this device; returns the method that ran.
-
-        ``args`` are the torch op's integer arguments after the two index
-        tensors. The C launcher is called through ctypes: a torch op call with
-        22 arguments costs ~10 us of host time in the dispatcher, ctypes ~2 us,
-        and small transfers are bound by host time. The op stays the fallback.
-        """
-        if self._launch_c is None:  # a library without the C entry points: no resident queue either
-            args = list(args)
-            args[16] &= ~_RESIDENT
-            return self.transfer(idx_src, idx_dst, *args)
-        (src_base0, src_base1, dst_base0, dst_base1, src_table0, src_table1, dst_table0, dst_table1, num_caches,
-         num_layers, src_stride, dst_stride, row_bytes, src_rows, dst_rows, num_blocks, method, bulk_warps,
-         read_align, error_flags) = args
-        spec = _CTransfer(src_table0, src_table1, dst_table0, dst_table1, src_base0, src_base1, dst_base0, dst_base1,
-                          num_caches, num_layers, idx_src.data_ptr(), idx_dst.data_ptr(), idx_src.element_size(),
-                          idx_src.numel(), src_stride, dst_stride, row_bytes, src_rows, dst_rows, num_blocks, method,
-                          bulk_warps, read_align, error_flags)
-        if method & _RESIDENT:
-            spec.method = method & ~_RESIDENT
-            return self._submit_resident(spec)
-        self.submit(ctypes.byref(spec), self._method_used_ref)
-        return self._method_used.value
+    def launch_torch_op(self, idx_src: torch.Tensor, idx_dst: torch.Tensor, *args) -> int:
+        """One copy through the binding's torch op, for a library without the C
+        entry points (plans call the C launcher through ctypes otherwise: a torch
+        op call with 22 arguments costs ~10 us of host time in the dispatcher,
+        ctypes ~2 us). ``args`` are the op's integer arguments after the two
+        index tensors. There is no resident queue on this path. Returns the
+        method that ran."""
+        args = list(args)
+        args[16] &= ~_RESIDENT
+        return self.transfer(idx_src, idx_dst, *args)
 
     def submit(self, spec, method_used) -> None:
         """Calls the C launcher on the current stream of this device with a
@@ -285,12 +271,17 @@ def _raise_reported(state: _DeviceState) -> None:
         )
 
 
+def _device_index(device: int | torch.device | None) -> int:
+    """A device argument as an index: None (or 'cuda' without an index) is the current device."""
+    index = device.index if isinstance(device, torch.device) else (None if device is None else
+                                                                    torch.device("cuda", device).index)
+    return torch.cuda.current_device() if index is None else index
+
+
 def check_errors(device: int | torch.device | None = None, *, synchronize: bool = True) -> None:
     """Raises TransferIndexError if a finished transfer on ``device`` skipped an
     out-of-range index. With synchronize=True it waits for the device first."""
-    index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
-    if index is None:
-        index = torch.cuda.current_device()
+    index = _device_index(device)
     state = _states.get(index)
     if state is None:
         return
@@ -309,20 +300,17 @@ def stop_resident(device: int | torch.device | None = None) -> None:
     stops it on every device. The next resident transfer starts it again.
     Called at interpreter exit.
     """
-    if device is None:
-        states = list(_states.values())
-    else:
-        index = torch.device("cuda", device).index if not isinstance(device, torch.device) else device.index
-        states = [_states[index]] if index in _states else []
+    states = list(_states.values()) if device is None else [_states.get(_device_index(device))]
     for state in states:
-        state.stop_resident()
+        if state is not None:
+            state.stop_resident()
 
 
-def resident_stats(device: int | None = None) -> dict | None:
+def resident_stats(device: int | torch.device | None = None) -> dict | None:
     """The resident queue's counters on ``device`` (launches of the resident
     kernel, transfers queued, fallbacks to an ordinary launch, transfers
     finished), or None when it is not running there."""
-    state = _states.get(torch.cuda.current_device() if device is None else device)
+    state = _states.get(_device_index(device))
     return state.resident_stats() if state is not None else None
 
 
@@ -547,7 +535,7 @@ class _Plan:
         self.strict = _settings["strict"]
         self.dst_rows, self.src_rows = dst_rows, src_rows
         num_caches = 2 if (dst_bases[1] or dst_tables[1]) else 1
-        # The torch op's integer arguments after the two index tensors (the fallback, _DeviceState.launch).
+        # The torch op's integer arguments after the two index tensors (the fallback, _DeviceState.launch_torch_op).
         self.op_args = (src_bases[0], src_bases[1], dst_bases[0], dst_bases[1], src_tables[0], src_tables[1],
                         dst_tables[0], dst_tables[1], num_caches, num_layers, src_stride, dst_stride, row_bytes,
                         src_rows, dst_rows, quota, method_code, _tuning["bulk_warps"], _tuning["read_align"],
@@ -591,10 +579,10 @@ class _Plan:
                                                     self.src_rows)
             dst_ptr, src_ptr = indices_dst.data_ptr(), indices_src.data_ptr()
             index_bytes, count = indices_dst.element_size(), indices_dst.numel()
-        if state._launch_c is None:  # the torch op (launch's fallback) takes tensors
+        if state._launch_c is None:  # no C entry points: the torch op, which takes tensors
             if staged is not None:
                 indices_dst, indices_src = staged[:count], staged[count:]
-            return METHOD_NAMES[state.launch(indices_src, indices_dst, *self.op_args)]
+            return METHOD_NAMES[state.launch_torch_op(indices_src, indices_dst, *self.op_args)]
         spec = self.spec
         spec.indices_dst, spec.indices_src, spec.index_bytes, spec.num_items = dst_ptr, src_ptr, index_bytes, count
         if self.resident:
@@ -653,9 +641,10 @@ def transfer_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *, el
 
     ``element_dim`` views flat caches as rows of that many elements;
     ``block_quota`` is the number of CTAs (SMs) to use (None: the measured
-    default for the method); ``method`` is 'auto', 'plain' or 'bulk'
-    (default: $SGLANG_HICACHE_JIT_METHOD, else 'auto').
-    Returns the copy method that ran ('bulk' or 'plain').
+    default for the method); ``method`` is 'auto', 'plain', 'bulk' or
+    'resident' (docs/kernels.md; default: $SGLANG_HICACHE_JIT_METHOD, else
+    'auto'). Returns the copy method that ran ('bulk', 'plain', or
+    'resident-bulk' / 'resident-plain' when it went through the resident queue).
     """
     quota = 0 if block_quota is None else _quota(block_quota)
     try:

@@ -120,17 +120,14 @@ def method() -> str:
     return value
 
 
-def _whole_number(name: str, default: int, low: int, high: int) -> int:
+def _whole_number(name: str, default, low: int, high: int):
+    """The whole number in ``name`` (plain ASCII digits: no sign, no '_'), or ``default`` when unset."""
     value = os.environ.get(name, "").strip()
     if not value:
         return default
-    try:
-        number = int(value)
-    except ValueError:
-        raise bad(name, value, "it is not a whole number") from None
-    if not low <= number <= high:
-        raise bad(name, value, f"it must be from {low} to {high}")
-    return number
+    if not (value.isascii() and value.isdigit()) or not low <= int(value) <= high:
+        raise bad(name, value, f"it must be a whole number from {low} to {high}")
+    return int(value)
 
 
 def resident_blocks() -> int:
@@ -168,12 +165,7 @@ MAX_BUILD_JOBS = 1024
 
 def build_jobs() -> int | None:
     """Parallel compile jobs (ninja -j); None lets torch decide."""
-    value = os.environ.get(BUILD_JOBS, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or not 1 <= int(value) <= MAX_BUILD_JOBS:
-        raise bad(BUILD_JOBS, value, f"it must be a whole number from 1 to {MAX_BUILD_JOBS}")
-    return int(value)
+    return _whole_number(BUILD_JOBS, None, 1, MAX_BUILD_JOBS)
 
 
 # A ':'-separated list like PATH, except that a URL keeps its own colons

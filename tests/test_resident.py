@@ -2,6 +2,7 @@
 tests/test_resident_gpu.py)."""
 
 import pytest
+import torch
 
 from sglang_hicache_jit import benchmark, ops, settings
 from sglang_hicache_jit.errors import BadSettingError
@@ -68,3 +69,13 @@ def test_direct_provider_is_known():
     benchmark.check_provider("direct")
     with pytest.raises(ValueError, match="direct"):  # the list of known providers names it
         benchmark.check_provider("indirect")
+
+
+def test_device_arguments_take_ints_and_torch_devices():
+    """check_errors, stop_resident and resident_stats name a device by index or torch.device (no GPU
+    touched when nothing ran there)."""
+    for device in (5, torch.device("cuda", 5)):
+        assert ops._device_index(device) == 5
+        ops.check_errors(device)
+        ops.stop_resident(device)
+        assert ops.resident_stats(device) is None

@@ -22,7 +22,7 @@ HOST_SLOTS, DEVICE_SLOTS, PAGE, LAYERS = 4096, 2048, 64, 4
 
 
 @pytest.fixture(autouse=True)
-def fresh_queue(monkeypatch):
+def fresh_queue():
     """Each test starts without a resident kernel and leaves none behind."""
     ops.stop_resident()
     yield
