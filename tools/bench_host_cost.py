@@ -14,6 +14,11 @@ Needs a C compiler (cc). Run from the checkout:
     python3 tools/bench_host_cost.py                 # this tree's ops.py
     python3 tools/bench_host_cost.py --baseline main # ... and main's, side by side
 
+The "routed" rows call integrations/sglang_ops.py as SGLang 0.5.23's host
+pools do once the plugin is active (keyword arguments, element_dim, a
+per-layer view of a page_first buffer); with --baseline, that revision's
+sglang_ops.py, compat.py and ops.py are used together.
+
 On a GPU, ``sglang-hicache-jit bench --mode overhead`` measures the whole call.
 """
 
@@ -22,6 +27,7 @@ import importlib.util
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,22 +37,34 @@ import torch  # noqa: E402
 
 import fake_gpu  # noqa: E402
 from sglang_hicache_jit import ops as current_ops  # noqa: E402
+from sglang_hicache_jit.integrations import sglang_ops as current_routed  # noqa: E402
 
 TOKENS, SLOTS, LAYERS, ROW = 64, 4096, 8, 1152
 
 
-def load_baseline(rev: str):
-    """ops.py as of git revision ``rev``, as a module of this package (its
-    relative imports resolve to this tree's other modules)."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:sglang_hicache_jit/ops.py"],
+def load_module(rev: str, path: str, package: str, **rebind):
+    """``path`` as of git revision ``rev``, as a module of ``package`` (its
+    relative imports resolve to this tree's other modules, then the globals
+    named in ``rebind`` are pointed at the baseline's own modules)."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"],
                             check=True, capture_output=True, text=True).stdout
-    name = "sglang_hicache_jit._ops_baseline"
+    name = f"{package}._{Path(path).stem}_baseline"
     spec = importlib.util.spec_from_loader(name, loader=None)
     module = importlib.util.module_from_spec(spec)
-    module.__package__ = "sglang_hicache_jit"
-    exec(compile(source, f"{rev}:sglang_hicache_jit/ops.py", "exec"), module.__dict__)
+    module.__package__ = package
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
+    module.__dict__.update(rebind)
     sys.modules[name] = module
     return module
+
+
+def load_baseline(rev: str):
+    """(ops, routed sglang_ops) as of git revision ``rev``."""
+    ops = load_module(rev, "sglang_hicache_jit/ops.py", "sglang_hicache_jit")
+    compat = load_module(rev, "sglang_hicache_jit/compat.py", "sglang_hicache_jit", ops=ops)
+    routed = load_module(rev, "sglang_hicache_jit/integrations/sglang_ops.py", "sglang_hicache_jit.integrations",
+                         ops=ops, compat=compat)
+    return ops, routed
 
 
 def layer_table(ops, groups, **kwargs):
@@ -57,8 +75,9 @@ def layer_table(ops, groups, **kwargs):
     return table
 
 
-def calls(ops):
-    """The timed calls, host -> GPU as in bench --mode overhead."""
+def calls(ops, routed):
+    """The timed calls, host -> GPU as in bench --mode overhead (the routed
+    backup: GPU -> host)."""
     dev = [[fake_gpu.cuda(torch.zeros(SLOTS, ROW, dtype=torch.uint8)) for _ in range(LAYERS)] for _ in range(2)]
     # page_first host pool: [slots, layers, row]; a layer is a strided view.
     host_buf = [torch.zeros(SLOTS, LAYERS, ROW, dtype=torch.uint8) for _ in range(2)]
@@ -67,7 +86,32 @@ def calls(ops):
     idx_cpu = torch.arange(TOKENS)
     mla_dev, mla_host = layer_table(ops, dev[:1], written=True), layer_table(ops, host[:1])
     mha_dev, mha_host = layer_table(ops, dev, written=True), layer_table(ops, host)
+    # As SGLang's MLA pools keep them: device layers (slots, 1, dim); a
+    # page_first host buffer (slots, layers, 1, dim) with per-layer views
+    # (data_refs) cut once; a layer_first buffer (layers, slots, 1, dim)
+    # indexed per call (a fresh view each time).
+    routed._kernel_ok[ROW] = True  # the probe's verdict, without a GPU
+    mla_dev3 = [fake_gpu.cuda(torch.zeros(SLOTS, 1, ROW, dtype=torch.uint8)) for _ in range(LAYERS)]
+    pf_buf = fake_gpu.pinned(torch.zeros(SLOTS, LAYERS, 1, ROW, dtype=torch.uint8))
+    data_refs = [fake_gpu.pinned(pf_buf.transpose(0, 1)[layer]) for layer in range(LAYERS)]
+    lf_buf = torch.zeros(LAYERS, SLOTS, 1, ROW, dtype=torch.uint8)
+    # The backup: every layer, GPU -> page_first host, through the pointer
+    # table of the device layers and compat's table of host layer addresses
+    # (put in its cache by hand: building it needs a GPU).
+    dev_ptrs = fake_gpu.cuda(torch.tensor([t.data_ptr() for t in mla_dev3], dtype=torch.uint64))
+    host_rows = torch.tensor([pf_buf.data_ptr() + layer * ROW for layer in range(LAYERS)], dtype=torch.uint64)
+    routed.compat._host_tables[(id(pf_buf), pf_buf.data_ptr(), LAYERS, ROW, str(dev_ptrs.device))] = (
+        weakref.ref(pf_buf), fake_gpu.cuda(host_rows))
     return {
+        "routed MLA load, page_first": lambda: routed.transfer_hicache_one_layer_mla(
+            page_size=64, cache_dst=mla_dev3[3], cache_src=data_refs[3], indices_dst=idx_gpu, indices_src=idx_gpu,
+            element_dim=ROW),
+        "routed MLA load, layer_first": lambda: routed.transfer_hicache_one_layer_mla(
+            page_size=64, cache_dst=mla_dev3[3], cache_src=fake_gpu.pinned(lf_buf[3]), indices_dst=idx_gpu,
+            indices_src=idx_gpu, element_dim=ROW),
+        "routed MLA backup, all layers": lambda: routed.transfer_kv_all_layer_mla_lf_pf(
+            src_layers=dev_ptrs, dst=pf_buf, src_indices=idx_gpu, dst_indices=idx_gpu, item_size=ROW,
+            dst_layout_dim=LAYERS * ROW, num_layers=LAYERS),
         "MLA one-layer, GPU indices": lambda: ops.transfer_one_layer_mla(dev[0][0], idx_gpu, host[0][0], idx_gpu),
         "MLA one-layer, CPU indices": lambda: ops.transfer_one_layer_mla(dev[0][0], idx_cpu, host[0][0], idx_cpu),
         # SGLang's routed ops cut a fresh view of each pool buffer per call.
@@ -88,19 +132,19 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=5000, help="calls per round")
     args = parser.parse_args()
 
-    versions = {"this tree": current_ops}
+    versions = {"this tree": (current_ops, current_routed)}
     if args.baseline:
         versions = {args.baseline: load_baseline(args.baseline), **versions}
     suites = {}
     with fake_gpu.stub_cuda_runtime(current_ops), fake_gpu.stub_uploads():
-        for label, ops in versions.items():
+        for label, (ops, routed) in versions.items():
             with fake_gpu.stub_cuda_runtime(ops):
                 fake_gpu.install(ops, handle=fake_gpu.noop_library())
-            suites[label] = calls(ops)
+            suites[label] = calls(ops, routed)
         samples = {(label, case): [] for label, suite in suites.items() for case in suite}
         for _ in range(args.rounds):  # interleaved, so drift hits every column alike
             for label, suite in suites.items():
-                ops = versions[label]
+                ops = versions[label][0]
                 with fake_gpu.stub_cuda_runtime(ops):
                     for case, fn in suite.items():
                         fn()
