@@ -630,11 +630,6 @@ def _keep(plans: dict, key, plan: _Plan, objects) -> None:
     plans[key] = plan
 
 
-def _launch(device: int, indices_dst, indices_src, **plan) -> str:
-    """A launch of an uncached plan (keyword arguments: _Plan's)."""
-    return _Plan(device, **plan).run(indices_dst, indices_src)
-
-
 def transfer_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *, element_dim=None,
                            block_quota=None, method=None) -> str:
     """Copies rows of one layer's MLA cache: ``cache_dst[indices_dst[i]] = cache_src[indices_src[i]]``.
@@ -858,6 +853,44 @@ def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *,
     src = tables_src if isinstance(tables_src, tuple) else (tables_src,)
     if len(dst) != len(src) or len(dst) not in (1, 2):
         raise ValueError("pass one table per cache on both sides: (k, v) for MHA or one table for MLA")
+    # The integers first, on every call: a plan found by key would otherwise
+    # accept True for 1 (equal and of equal hash).
+    if not (type(element_size) is int and type(dst_stride_bytes) is int and type(src_stride_bytes) is int
+            and element_size > 0 and dst_stride_bytes >= 0 and src_stride_bytes >= 0
+            and not (element_size | dst_stride_bytes | src_stride_bytes) & 3):  # the common case, in one test
+        for name, value in (("element_size", element_size), ("dst_stride_bytes", dst_stride_bytes),
+                            ("src_stride_bytes", src_stride_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % 4:
+                raise ValueError(f"{name} must be a non-negative multiple of 4 bytes, got {value!r}")
+        if element_size == 0:
+            raise ValueError("element_size must be positive")
+    quota = 0 if block_quota is None else _quota(block_quota)
+    # Pools back up every layer through the same pointer tables on every
+    # call: a plan for them skips the table checks and the struct build. The
+    # key holds, per table, what those checks read (object, address, dtype,
+    # shape, strides, device), so set_() or resize_() on a table leads to
+    # another key, and refs (checked on a hit) make a dead table's reused id
+    # miss. The plan launches with the addresses of the tables passed now.
+    try:
+        plans = _local.plans
+    except AttributeError:  # this thread's first transfer
+        plans = _plan_cache()
+    tables = dst + src
+    key = [len(dst), dst_stride_bytes, src_stride_bytes, element_size, quota, method]
+    try:
+        for t in tables:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError  # the full path names it
+            key += (id(t), t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+        key = tuple(key)
+        plan = plans.get(key)
+    except (TypeError, RuntimeError):  # not a tensor, no data pointer, or an unhashable method
+        plan = key = None
+    if plan is not None:
+        refs = plan.refs
+        if refs[0]() is tables[0] and refs[1]() is tables[1] and (len(refs) == 2 or (
+                refs[2]() is tables[2] and refs[3]() is tables[3])):
+            return plan.run(indices_dst, indices_src)
     first = _pointer_table("tables_dst", dst[0], None)
     device = first.device.index
     dst = [first] + [_pointer_table("tables_dst", t, device) for t in dst[1:]]
@@ -865,16 +898,15 @@ def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *,
     layers = {t.numel() for t in dst + src}
     if len(layers) != 1:
         raise ValueError(f"every pointer table must have the same number of layers, got {sorted(layers)}")
-    for name, value in (("element_size", element_size), ("dst_stride_bytes", dst_stride_bytes),
-                        ("src_stride_bytes", src_stride_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % 4:
-            raise ValueError(f"{name} must be a non-negative multiple of 4 bytes, got {value!r}")
-    if element_size == 0:
-        raise ValueError("element_size must be positive")
     pad = [0, 0]
     dst_ptrs = [t.data_ptr() for t in dst] + pad[len(dst):]
     src_ptrs = [t.data_ptr() for t in src] + pad[len(src):]
-    return _launch(device, indices_dst, indices_src, dst_bases=(0, 0), src_bases=(0, 0),
-                   dst_tables=tuple(dst_ptrs[:2]), src_tables=tuple(src_ptrs[:2]), num_layers=layers.pop(),
-                   dst_stride=dst_stride_bytes, src_stride=src_stride_bytes, row_bytes=element_size,
-                   dst_rows=-1, src_rows=-1, to_device=False, quota=_quota(block_quota), method=method)
+    plan = _Plan(device, dst_bases=(0, 0), src_bases=(0, 0), dst_tables=tuple(dst_ptrs[:2]),
+                 src_tables=tuple(src_ptrs[:2]), num_layers=layers.pop(), dst_stride=dst_stride_bytes,
+                 src_stride=src_stride_bytes, row_bytes=element_size, dst_rows=-1, src_rows=-1, to_device=False,
+                 quota=quota, method=method)
+    # Kept only when the plan holds the caller's own tables: a non-contiguous
+    # table was copied above, and that copy dies with this call.
+    if key is not None and all(a is b for a, b in zip(dst + src, tables)):
+        _keep(plans, key, plan, tables)
+    return plan.run(indices_dst, indices_src)

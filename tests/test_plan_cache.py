@@ -371,3 +371,58 @@ def test_resident_stop_waits_for_a_submit_in_flight(launches, monkeypatch):
     assert fake.events[-2:] == [("create", first + 1, 4), ("submit", first + 1)]
     ops.stop_resident(0)
     assert fake.events[-1] == ("destroy", first + 1)
+
+
+def ptr_table(*addresses):
+    return fake_gpu.cuda(torch.tensor(addresses, dtype=torch.uint64))
+
+
+def test_pointer_table_plans(launches, monkeypatch):
+    # What SGLang's all-layer backups pass on every call: the same pointer tables.
+    d, h = ptr_table(4096, 8192), ptr_table(16384, 32768)
+    call = lambda **kw: ops.transfer_pointer_tables(  # noqa: E731
+        h, gpu_idx(1), d, gpu_idx(2), **{"dst_stride_bytes": 64, "src_stride_bytes": 16, "element_size": 16, **kw})
+    call()
+    monkeypatch.setattr(ops, "_pointer_table", None)  # a hit neither checks the tables again ...
+    monkeypatch.setattr(ops, "_Plan", None)  # ... nor builds a plan
+    call()
+    assert (launches.last["dst_table0"], launches.last["src_table0"]) == (h.data_ptr(), d.data_ptr())
+    assert launches.last["dst_index_values"] == [1] and len(plans()) == 1
+    # The integers are checked on every call, a hit or not (True == 1 and hashes alike).
+    for bad in (dict(element_size=True), dict(element_size=6), dict(dst_stride_bytes=-4), dict(src_stride_bytes=2.0)):
+        with pytest.raises(ValueError, match="multiple of 4|positive"):
+            call(**bad)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        ops.transfer_pointer_tables(h, gpu_idx(1.0, dtype=torch.float32), d, gpu_idx(2), dst_stride_bytes=64,
+                                    src_stride_bytes=16, element_size=16)
+    monkeypatch.undo()
+    h.set_(torch.tensor([1 << 20, 1 << 21], dtype=torch.uint64))  # the same object, another table
+    call()
+    assert launches.last["dst_table0"] == h.data_ptr()
+    d.data = torch.Tensor.view(d, torch.float64)  # the same object and memory, another dtype
+    with pytest.raises(ValueError, match="uint64"):
+        call()
+    d.data = torch.Tensor.view(d, torch.uint64)
+    d.resize_(1)  # another layer count: refused, as on a first call
+    with pytest.raises(ValueError, match="same number of layers"):
+        call()
+    assert len(launches.calls) == 3
+
+
+def test_a_copied_pointer_table_is_not_kept(launches):
+    # A non-contiguous table is copied for the launch; a plan must not keep the copy's address.
+    d = fake_gpu.cuda(torch.tensor([4096, 0, 8192, 0], dtype=torch.uint64)[::2])
+    h = ptr_table(16384, 32768)
+    ops.transfer_pointer_tables(h, gpu_idx(1), d, gpu_idx(2), dst_stride_bytes=64, src_stride_bytes=16,
+                                element_size=16)
+    assert len(plans()) == 0
+
+
+def test_pointer_table_plans_keep_nothing_alive(launches):
+    d, h = ptr_table(4096, 8192), ptr_table(16384, 32768)
+    ops.transfer_pointer_tables(h, gpu_idx(1), d, gpu_idx(2), dst_stride_bytes=64, src_stride_bytes=16,
+                                element_size=16)
+    refs = [weakref.ref(d), weakref.ref(h)]
+    del d, h
+    gc.collect()
+    assert all(ref() is None for ref in refs)
