@@ -51,12 +51,22 @@ typedef struct HicacheTransfer {
   // HICACHE_ERROR_WORDS device-visible words (pinned host memory) or NULL;
   // the kernel stores 1 into word HICACHE_ERR_* when that error occurs.
   uint32_t* error_flags;
+  int32_t hints;  // HICACHE_HINT_* bits the caller knows (0: none)
 } HicacheTransfer;
 
 enum {
   HICACHE_METHOD_AUTO = 0,   // bulk copy where the GPU and the rows allow it
   HICACHE_METHOD_PLAIN = 1,  // vectorized loads and stores from SM threads
   HICACHE_METHOD_BULK = 2,   // Hopper bulk-copy engine (cp.async.bulk), sm_90+
+};
+
+// Facts about the transfer that only the caller knows; they tune the copy and
+// never change what it copies.
+enum {
+  // The destination is GPU memory: the bulk method refills a shared-memory
+  // stage as soon as its store has read it (a store into GPU memory reads the
+  // stage quickly; one to host memory is left in flight instead).
+  HICACHE_HINT_DST_DEVICE = 1,
 };
 
 // Words of error_flags, set by the kernel, read and cleared by Python. Plain

@@ -37,6 +37,8 @@ METHOD_NAMES = {1: "plain", 2: "bulk", 17: "resident-plain", 18: "resident-bulk"
 # Or'ed into a method code: submit through the resident kernel's queue
 # (HICACHE_RESIDENT_QUEUED in kernels/hicache_transfer.h).
 _RESIDENT = 16
+# HICACHE_HINT_DST_DEVICE: the destination is GPU memory (tunes the bulk pipeline's refills).
+_HINT_DST_DEVICE = 1
 RESIDENT_QUEUE_SLOTS = 64
 
 # Bulk-copy tuning passed to the kernel; 0 keeps the kernel's measured default.
@@ -217,7 +219,7 @@ class _CTransfer(ctypes.Structure):
         ("src_rows", ctypes.c_int64), ("dst_rows", ctypes.c_int64),
         ("num_blocks", ctypes.c_int32), ("method", ctypes.c_int32),
         ("bulk_warps", ctypes.c_int32), ("read_align", ctypes.c_int32),
-        ("error_flags", ctypes.c_void_p),
+        ("error_flags", ctypes.c_void_p), ("hints", ctypes.c_int32),
     ]
 
 
@@ -544,7 +546,7 @@ class _Plan:
                                src_bases[1], dst_bases[0], dst_bases[1], num_caches, num_layers, 0, 0, 8, 0,
                                src_stride, dst_stride, row_bytes, src_rows, dst_rows, quota,
                                method_code & ~_RESIDENT, _tuning["bulk_warps"], _tuning["read_align"],
-                               state.error_flags_ptr)
+                               state.error_flags_ptr, _HINT_DST_DEVICE if to_device else 0)
         self.method_used = ctypes.c_int(0)
         # Passed to the launcher as plain addresses (the plan owns both).
         self.spec_addr, self.method_used_addr = ctypes.addressof(self.spec), ctypes.addressof(self.method_used)

@@ -426,3 +426,14 @@ def test_pointer_table_plans_keep_nothing_alive(launches):
     del d, h
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+def test_host_to_gpu_copies_carry_the_destination_hint(launches):
+    """HICACHE_HINT_DST_DEVICE tunes the bulk pipeline for stores into GPU memory: set for host -> GPU
+    only (a GPU -> host copy keeps a store to the host in flight instead)."""
+    d, h = dev(), host()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(2))
+    ops.transfer_one_layer_mla(h, gpu_idx(1), d, gpu_idx(2))
+    ops.transfer_one_layer(d, dev(), gpu_idx(1), h, host(), gpu_idx(2))
+    ops.transfer_one_layer(h, host(), gpu_idx(1), d, dev(), gpu_idx(2))
+    assert [c["hints"] for c in launches.calls] == [1, 0, 1, 0]
