@@ -15,10 +15,13 @@ Run with ``sglang-hicache-jit bench`` or ``python tools/bench_transfer.py``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
+import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -306,10 +309,10 @@ def _table_arg(groups):
     return groups[0] if len(groups) == 1 else (tuple(groups[0]), tuple(groups[1]))
 
 
-def run(args) -> list[dict]:
+def run(args, records: list | None = None) -> list[dict]:
     import torch
 
-    records = []
+    records = [] if records is None else records  # filled as it goes: an interrupted run keeps them
     scratch: dict = {}
     skipped: set = set()
     device_name = torch.cuda.get_device_name()
@@ -361,7 +364,7 @@ def run(args) -> list[dict]:
     return records
 
 
-def interference(args) -> list[dict]:
+def interference(args, records: list | None = None) -> list[dict]:
     """A bf16 matmul saturating the GPU on the compute stream, transfers on a side stream.
 
     For each provider: the matmul's slow-down against running alone, and the
@@ -389,7 +392,8 @@ def interference(args) -> list[dict]:
     gemm_alone = statistics.median(time_call(gemm, budget_s=0.5))
     print(f"{args.load} load ({m}) alone: {gemm_alone * 1e3:.3f} ms per step", flush=True)
     low, high = torch.cuda.Stream.priority_range()
-    records, scratch, skipped = [], {}, set()
+    records = [] if records is None else records  # filled as it goes: an interrupted run keeps them
+    scratch, skipped = {}, set()
     for workload in args.workloads:
         pools = make_pools(workload, args.host_slots, args.device_slots)
         tokens = args.tokens[0]
@@ -457,14 +461,14 @@ def interference(args) -> list[dict]:
     return records
 
 
-def overhead(args) -> list[dict]:
+def overhead(args, records: list | None = None) -> list[dict]:
     """Host (CPU) cost per call, launching back to back without waiting: the
     floor under which a small transfer cannot go however fast the kernel is."""
     import torch
 
     from . import ops
 
-    records = []
+    records = [] if records is None else records  # filled as it goes: an interrupted run keeps them
     tokens = 64
     dev = torch.randint(0, 256, (4096, 1152), dtype=torch.uint8, device="cuda")
     host_buf = torch.empty((4096, 8, 1152), dtype=torch.uint8, pin_memory=True)
@@ -491,6 +495,22 @@ def overhead(args) -> list[dict]:
         "jit one-layer, via torch op": through_torch_op,
         "torch copy_ (contiguous)": lambda: contiguous_dev.copy_(contiguous_host, non_blocking=True),
     }
+    if state._launch_c is not None:
+        # Where the first row's time goes: the kept plan run without the key
+        # look-up, the C launcher alone on the plan's filled struct (with and
+        # without a kernel to launch), and a ctypes call that does nothing.
+        ops._clear_plans()
+        ops.transfer_one_layer_mla(dev, idx_gpu, host, idx_gpu)
+        plan = next(iter(ops._plan_cache().values()))
+        launch, stream = state._launch_c, ops._raw_stream(state.device)
+        empty = ops._CTransfer.from_buffer_copy(plan.spec)
+        empty.num_items = 0
+        noop = state.library.handle.hicache_error_string
+        calls["  breakdown: plan.run"] = lambda: plan.run(idx_gpu, idx_gpu)
+        calls["  breakdown: C launcher"] = lambda: launch(plan.spec_addr, stream, plan.method_used_addr)
+        calls["  breakdown: C launcher, 0 rows"] = lambda: launch(ctypes.addressof(empty), stream,
+                                                                  plan.method_used_addr)
+        calls["  breakdown: no-op ctypes call"] = lambda: noop(0)
     try:  # upstream SGLang's JIT op (tvm-ffi), when sglang is installed and its kernel builds
         from sglang.kernels.ops.kvcache import hicache as upstream
 
@@ -652,6 +672,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+MODES = {"transfer": run, "interference": interference, "overhead": overhead}
+
+
 def run_parsed(args) -> int:
     """Runs the benchmark for parsed arguments; torch is imported only here, after parsing."""
     try:
@@ -667,7 +690,19 @@ def run_parsed(args) -> int:
         print("error: bench needs a CUDA GPU (the transfers run between GPU memory and pinned host memory)",
               file=sys.stderr)
         return 2
-    records = {"transfer": run, "interference": interference, "overhead": overhead}[args.mode](args)
+    records: list = []
+    interrupted = False
+    # A run stopped by Ctrl-C or SIGTERM (e.g. `timeout`) still writes what it measured.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
+    try:
+        MODES[args.mode](args, records)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"interrupted: keeping the {len(records)} records measured so far", file=sys.stderr, flush=True)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     summary = summarize(records) if args.mode == "transfer" else []
     if any(row["upstream"] for row in summary):
         print("\n".join([""] + summary_lines(summary)), flush=True)
@@ -681,7 +716,7 @@ def run_parsed(args) -> int:
         except ImportError:
             print("matplotlib is not installed (pip install 'sglang-hicache-jit[bench]'); no plot drawn",
                   file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0
 
 
 def main(argv=None) -> int:

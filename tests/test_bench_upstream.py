@@ -281,3 +281,22 @@ def test_bench_report_renders_ours_vs_upstream_as_markdown(tmp_path, capsys):
     assert len(lines) == 4
     report.main([str(path)])  # the per-provider table still renders, upstream columns included
     assert "upstream-tma" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_an_interrupted_bench_writes_what_it_measured(tmp_path, monkeypatch):
+    """`timeout` (SIGTERM) or Ctrl-C mid-run: the records measured so far still reach --json; exit code 130."""
+    import os
+    import signal
+
+    def measure_then_stop(args, records):
+        records.append(dict(workload="mla-bf16", provider="jit", gbps=1.0))
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(benchmark.MODES, "overhead", measure_then_stop)
+    out = tmp_path / "partial.json"
+    previous = signal.getsignal(signal.SIGTERM)
+    assert benchmark.run_parsed(benchmark.parse_args(["--mode", "overhead", "--json", str(out)])) == 130
+    assert json.loads(out.read_text())["records"] == [dict(workload="mla-bf16", provider="jit", gbps=1.0)]
+    assert signal.getsignal(signal.SIGTERM) is previous
