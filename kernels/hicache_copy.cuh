@@ -135,16 +135,18 @@ template <> struct VecOf<8> { using type = uint2; };
 template <> struct VecOf<16> { using type = uint4; };
 
 // Work item e covers bytes [vec * kVec, (vec + 1) * kVec) of flattened row
-// `row`; consecutive threads take consecutive items, so a warp reads and
-// writes whole contiguous spans of a row.
+// `row`. Each warp takes a contiguous span of 32 * kPlainUnroll items per
+// pass, consecutive lanes consecutive items: a warp reads and writes whole
+// rows in address order, one 32-item stretch per unrolled step.
 // CTA `block` of `blocks` copies its share; called by a kernel of kPlainThreads threads.
 template <typename Index, int kVec>
 __device__ __forceinline__ void plain_rows(const KernelParams& p, uint32_t block, uint32_t blocks) {
   using V = typename VecOf<kVec>::type;
+  constexpr uint32_t kWarpSpan = 32 * kPlainUnroll;
   const uint32_t total = p.total_vecs;
   const uint32_t step = blocks * kPlainThreads * kPlainUnroll;
-  for (uint32_t base = block * kPlainThreads * kPlainUnroll + threadIdx.x; base < total;
-       base += step) {
+  for (uint32_t base = block * kPlainThreads * kPlainUnroll + threadIdx.x / 32 * kWarpSpan + threadIdx.x % 32;
+       base < total; base += step) {
     // Three passes, so each waits once: the rows' indices and layer bases
     // (all loads issued before any is used), then the data loads, then the
     // stores. Folding the first two into one loop would wait for each
@@ -153,7 +155,7 @@ __device__ __forceinline__ void plain_rows(const KernelParams& p, uint32_t block
     uint32_t offset[kPlainUnroll];
 #pragma unroll
     for (int u = 0; u < kPlainUnroll; ++u) {
-      const uint32_t e = base + u * kPlainThreads;
+      const uint32_t e = base + u * 32;
       uint32_t row, vec;
       p.vecs_per_row.divmod(e < total ? e : total - 1, row, vec);  // past the end: a real row, never copied
       ref[u] = fetch_row<Index>(p, row);
@@ -166,7 +168,7 @@ __device__ __forceinline__ void plain_rows(const KernelParams& p, uint32_t block
       dst[u] = nullptr;
       const char* s;
       char* d;
-      if (base + u * kPlainThreads >= total || !place_row(p, ref[u], s, d)) continue;
+      if (base + u * 32 >= total || !place_row(p, ref[u], s, d)) continue;
       s += offset[u];
       d += offset[u];
       if (((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d)) & (kVec - 1)) == 0) {
