@@ -203,18 +203,10 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
         if method and method.startswith("resident"):
             _resident_blocks(ops, tuning.pop("resident_blocks", None))
 
-        def tuned(call):
-            if not tuning:
-                return call
-
-            def run():
-                previous = ops.set_tuning(**tuning)
-                call()
-                ops.set_tuning(**previous)
-            return run
-
-        inner = _jit_call(ops, pools, scope, to_device, host_views, dev_views, host_cuda, dev_cuda, quota, method)
-        return tuned(inner)
+        # Set for this provider's measurements (the next jit provider sets its own): set per call, it would
+        # drop the launch plans on every call and time their rebuild too.
+        ops.set_tuning(bulk_warps=tuning.get("bulk_warps", 0), read_align=tuning.get("read_align", 0))
+        return _jit_call(ops, pools, scope, to_device, host_views, dev_views, host_cuda, dev_cuda, quota, method)
     layers = range(LAYERS) if scope == "all" else [layer]
     pairs = [(pools.host[c][:, l], pools.device[c][l]) for l in layers for c in range(caches)]
     if provider == "direct":  # the copy engines: one 2-D copy per run of slots, one batched call
@@ -703,6 +695,9 @@ def run_parsed(args) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+        ops = sys.modules.get(f"{__package__}.ops")
+        if ops is not None:  # providers leave their bulk tuning set; give the caller the defaults back
+            ops.set_tuning(bulk_warps=0, read_align=0)
     summary = summarize(records) if args.mode == "transfer" else []
     if any(row["upstream"] for row in summary):
         print("\n".join([""] + summary_lines(summary)), flush=True)

@@ -59,7 +59,8 @@ def set_tuning(*, bulk_warps: int | None = None, read_align: int | None = None) 
         if read_align and (read_align < 16 or read_align > 256 or read_align & (read_align - 1)):
             raise ValueError(f"read_align must be 0 (default) or a power of two in 16..256, got {read_align}")
         _tuning["read_align"] = read_align
-    _clear_plans()  # plans hold the values they were built with
+    if _tuning != previous:
+        _clear_plans()  # plans hold the values they were built with
     return previous
 
 

@@ -208,6 +208,16 @@ def test_a_pending_error_raises_on_a_plan(launches):
     assert len(launches.calls) == 2
 
 
+def test_setting_the_same_tuning_keeps_the_plans(launches, monkeypatch):
+    """The benchmark sets a provider's tuning before measuring it; unchanged values must not cost a rebuild."""
+    d, h = dev(), host()
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
+    ops.set_tuning(bulk_warps=0, read_align=0)
+    forbid_validation(monkeypatch)
+    ops.transfer_one_layer_mla(d, gpu_idx(2), h, gpu_idx(2))
+    assert len(plans()) == 1 and launches.last["dst_index_values"] == [2]
+
+
 def test_tuning_and_settings_drop_plans(launches, monkeypatch):
     d, h = dev(), host()
     ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
@@ -289,8 +299,9 @@ def test_each_thread_has_its_own_plans(launches):
     thread.join()
     assert len(theirs) == 1 and theirs[0] is not next(iter(plans().values()))
     assert launches.last["dst_index_values"] == [2]
-    ops.set_tuning(bulk_warps=0)  # drops every thread's plans, this one's too
+    previous = ops.set_tuning(bulk_warps=2)  # drops every thread's plans, this one's too
     assert not plans()
+    ops.set_tuning(**previous)
 
 
 def test_resident_plans_submit_to_the_queue(launches, monkeypatch):
