@@ -248,21 +248,8 @@ def cmd_info(args) -> int:
     else:
         where = target["available_from"] or "nowhere yet (the first use builds it)"
         print(f"this machine  loads {target['archs']} (from {target['source']}): {where}")
-    print(f"SGLang plugin {_plugin_line(info['sglang_plugin'])}")
+    print(f"SGLang plugin {info['sglang_plugin']['line']}")
     return 0
-
-
-def _plugin_line(p: dict) -> str:
-    if not p["entry_point"]:
-        return "not registered (install the package with pip; PYTHONPATH alone registers no entry point)"
-    if not p["sglang"]:
-        return f"registered as {p['entry_point']!r}; SGLang is not installed here"
-    if not p["switch"]:
-        return f"off ({settings.SGLANG_PLUGIN}=0); SGLang {p['sglang']} runs unchanged"
-    if not p["active"]:
-        return f"skipped by SGLANG_PLUGINS={','.join(p['sglang_plugins'])}; SGLang {p['sglang']} runs unchanged"
-    note = "" if p["sglang"] == p["tested_with"] else f" (written for {p['tested_with']}: mismatched targets are skipped)"
-    return f"active: SGLang {p['sglang']}{note} loads {p['entry_point']!r} in each of its processes"
 
 
 def cmd_demo(args) -> int:

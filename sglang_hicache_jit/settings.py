@@ -30,6 +30,8 @@ SGLANG_PLUGIN = "SGLANG_HICACHE_JIT_SGLANG_PLUGIN"
 RESIDENT_BLOCKS = "SGLANG_HICACHE_JIT_RESIDENT_BLOCKS"
 RESIDENT_IDLE_US = "SGLANG_HICACHE_JIT_RESIDENT_IDLE_US"
 LINEINFO = "SGLANG_HICACHE_JIT_LINEINFO"
+# SGLang's own setting (read by sgl-kernel 0.4.7+), which the routed MLA per-layer ops honour the same way.
+SGLANG_BLOCK_QUOTA = "SGLANG_HICACHE_BLOCK_QUOTA"
 
 METHODS = ("auto", "plain", "bulk", "resident", "resident-bulk", "resident-plain")
 
@@ -98,6 +100,12 @@ def disabled() -> bool:
 def sglang_plugin_enabled() -> bool:
     """SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0 leaves SGLang exactly as it is (the plugin patches nothing)."""
     return os.environ.get(SGLANG_PLUGIN, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def sglang_block_quota() -> int | None:
+    """SGLANG_HICACHE_BLOCK_QUOTA: CTAs for SGLang's MLA per-layer transfers when the caller passes no
+    block_quota, as sgl-kernel 0.4.7+ reads it; None (unset): this package's measured default."""
+    return _whole_number(SGLANG_BLOCK_QUOTA, None, 1, 1 << 16)
 
 
 def lineinfo() -> bool:
@@ -267,6 +275,7 @@ _DESCRIBED = (
     (LOCK_DIR, lambda: str(lock_dir()) if lock_dir() else None, "<cache>/v1/.locks"),
     (TRUSTED_OWNERS, lambda: sorted(trusted_owners()), "root and this user only"),
     (SGLANG_PLUGIN, sglang_plugin_enabled, "on"),
+    (SGLANG_BLOCK_QUOTA, sglang_block_quota, "the measured default CTAs"),
 )
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sglang_hicache_jit import compat
-from sglang_hicache_jit.integrations import sglang_ops
+from sglang_hicache_jit.integrations.sglang import ops as sglang_ops
 
 pytestmark = pytest.mark.gpu
 

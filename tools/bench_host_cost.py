@@ -14,10 +14,10 @@ Needs a C compiler (cc). Run from the checkout:
     python3 tools/bench_host_cost.py                 # this tree's ops.py
     python3 tools/bench_host_cost.py --baseline main # ... and main's, side by side
 
-The "routed" rows call integrations/sglang_ops.py as SGLang 0.5.23's host
+The "routed" rows call integrations/sglang/ops.py as SGLang 0.5.23's host
 pools do once the plugin is active (keyword arguments, element_dim, a
 per-layer view of a page_first buffer); with --baseline, that revision's
-sglang_ops.py, compat.py and ops.py are used together.
+integrations/sglang/ops.py (sglang_ops.py before), compat.py and ops.py are used together.
 
 On a GPU, ``sglang-hicache-jit bench --mode overhead`` measures the whole call.
 """
@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 import fake_gpu  # noqa: E402
 from sglang_hicache_jit import ops as current_ops  # noqa: E402
-from sglang_hicache_jit.integrations import sglang_ops as current_routed  # noqa: E402
+from sglang_hicache_jit.integrations.sglang import ops as current_routed  # noqa: E402
 
 TOKENS, SLOTS, LAYERS, ROW = 64, 4096, 8, 1152
 
@@ -59,11 +59,15 @@ def load_module(rev: str, path: str, package: str, **rebind):
 
 
 def load_baseline(rev: str):
-    """(ops, routed sglang_ops) as of git revision ``rev``."""
+    """(ops, routed SGLang ops) as of git revision ``rev``."""
     ops = load_module(rev, "sglang_hicache_jit/ops.py", "sglang_hicache_jit")
     compat = load_module(rev, "sglang_hicache_jit/compat.py", "sglang_hicache_jit", ops=ops)
-    routed = load_module(rev, "sglang_hicache_jit/integrations/sglang_ops.py", "sglang_hicache_jit.integrations",
-                         ops=ops, compat=compat)
+    try:
+        routed = load_module(rev, "sglang_hicache_jit/integrations/sglang/ops.py",
+                             "sglang_hicache_jit.integrations.sglang", ops=ops, compat=compat)
+    except subprocess.CalledProcessError:  # revisions before integrations/sglang/ became a package
+        routed = load_module(rev, "sglang_hicache_jit/integrations/sglang_ops.py", "sglang_hicache_jit.integrations",
+                             ops=ops, compat=compat)
     return ops, routed
 
 

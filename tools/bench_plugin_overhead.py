@@ -3,7 +3,7 @@
 
 The op underneath (ops.transfer_one_layer_mla) is replaced by a no-op, so what
 is timed is only the layers above it: SGLang's REPLACE hook wrapper plus the
-routing (``integrations/sglang_ops``) against ``compat`` called directly. Run
+routing (``integrations/sglang/ops.py``) against ``compat`` called directly. Run
 with the sgl-kernel stand-in on the path, sglang 0.5.23 installed, and this
 package installed (the entry point must be registered):
 
@@ -24,7 +24,7 @@ load_plugins()
 from sglang.kernels.ops.kvcache import hicache  # noqa: E402  (patched by the plugin now)
 
 from sglang_hicache_jit import compat, ops  # noqa: E402
-from sglang_hicache_jit.integrations import sglang_ops  # noqa: E402
+from sglang_hicache_jit.integrations.sglang import ops as sglang_ops  # noqa: E402
 
 ops.transfer_one_layer_mla = lambda *args, **kwargs: "plain"
 sglang_ops._kernel_ok[1152] = True  # as after a successful probe

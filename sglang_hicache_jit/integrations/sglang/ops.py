@@ -1,9 +1,12 @@
 """The transfer functions SGLang's host pools call once the plugin is active.
 
-Two families, each under the exact name and signature SGLang imports it by:
+Two families, each under the name SGLang imports it by, taking every call
+the upstream signature takes in the releases the plugin supports (parameter
+names, kinds, order and defaults; ``matching.py`` checks this per release):
 
-* ``sglang.kernels.ops.kvcache.hicache`` (the JIT ops): ``can_use_*`` and the
-  ``transfer_hicache_*`` functions;
+* ``sglang.kernels.ops.kvcache.hicache`` (``sglang.jit_kernel.hicache``
+  up to 0.5.16), the JIT ops: ``can_use_*`` and the ``transfer_hicache_*``
+  functions;
 * ``sgl_kernel.kvcacheio`` (the ahead-of-time package): ``transfer_kv_*``.
 
 Every transfer runs this package's JIT kernel when the probe says ``ok`` for
@@ -32,8 +35,9 @@ import weakref
 
 import torch
 
-from .. import compat, direct, ops
-from ..probe import probe
+from ... import compat, direct, ops, settings
+from ...errors import BadSettingError
+from ...probe import probe
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +118,7 @@ def _view_rows(t: torch.Tensor, row_elems: int) -> torch.Tensor:
     return t.view(-1, row_elems) if t.dim() != 2 or t.shape[1] != row_elems else t
 
 
-def _layer_of(buffer: torch.Tensor, layer_id: int, item_size: int, layout_dim: int) -> torch.Tensor:
+def layer_of(buffer: torch.Tensor, layer_id: int, item_size: int, layout_dim: int) -> torch.Tensor:
     """Rows of one layer inside a page_first buffer: ``(slots, row)``, stride ``layout_dim`` bytes."""
     itemsize = buffer.element_size()
     flat = buffer.view(buffer.shape[0], -1)
@@ -320,11 +324,23 @@ HICACHE_OPS = (
 
 # ---------------------------------------------------------------------------
 # sgl_kernel.kvcacheio, routed. ``block_quota`` and ``num_warps_per_block``
-# are upstream's launch knobs: block_quota is passed on only when the caller
-# changed it from upstream's default 2 (this kernel's defaults are measured).
+# are upstream's launch knobs. ``block_quota`` is the number of CTAs: left
+# out (None), it is this kernel's measured default, except that the two MLA
+# per-layer ops honour SGLang's SGLANG_HICACHE_BLOCK_QUOTA the way sgl-kernel
+# 0.4.7+ does; a number is passed on. Warps per block are this kernel's own.
 
-def _quota(block_quota):
-    return None if block_quota == 2 else block_quota
+_bad_block_quota_told: list = []
+
+
+def _sglang_block_quota():
+    """SGLANG_HICACHE_BLOCK_QUOTA, or None. Like sgl-kernel, a value that does not parse means the default."""
+    try:
+        return settings.sglang_block_quota()
+    except BadSettingError as exc:
+        if not _bad_block_quota_told:
+            _bad_block_quota_told.append(True)
+            log.warning("sglang-hicache-jit: %s; using the measured default CTAs", exc)
+        return None
 
 
 def _one_layer(pairs_kv: list, indices_dst, indices_src, item_size: int, block_quota) -> None:
@@ -332,10 +348,10 @@ def _one_layer(pairs_kv: list, indices_dst, indices_src, item_size: int, block_q
     if kernel_available(item_size):
         if len(pairs_kv) == 1:
             (dst, src), = pairs_kv
-            ops.transfer_one_layer_mla(dst, indices_dst, src, indices_src, block_quota=_quota(block_quota))
+            ops.transfer_one_layer_mla(dst, indices_dst, src, indices_src, block_quota=block_quota)
         else:
             (kd, ks), (vd, vs) = pairs_kv
-            ops.transfer_one_layer(kd, vd, indices_dst, ks, vs, indices_src, block_quota=_quota(block_quota))
+            ops.transfer_one_layer(kd, vd, indices_dst, ks, vs, indices_src, block_quota=block_quota)
         return
     _copy(pairs_kv, indices_dst, indices_src)
 
@@ -350,7 +366,7 @@ def _packed_rows(t: torch.Tensor, item_size: int, name: str) -> torch.Tensor:
     return rows
 
 
-def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size, block_quota=2,
+def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size, block_quota=None,
                           num_warps_per_block=32):
     _one_layer([(_packed_rows(dst_k, item_size, "dst_k"), _packed_rows(src_k, item_size, "src_k")),
                 (_packed_rows(dst_v, item_size, "dst_v"), _packed_rows(src_v, item_size, "src_v"))],
@@ -358,20 +374,25 @@ def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, 
 
 
 def transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size,
-                                src_layout_dim, block_quota=2, num_warps_per_block=32):
-    _one_layer([(_packed_rows(dst_k, item_size, "dst_k"), _layer_of(src_k, layer_id, item_size, src_layout_dim)),
-                (_packed_rows(dst_v, item_size, "dst_v"), _layer_of(src_v, layer_id, item_size, src_layout_dim))],
+                                src_layout_dim, block_quota=None, num_warps_per_block=32):
+    _one_layer([(_packed_rows(dst_k, item_size, "dst_k"), layer_of(src_k, layer_id, item_size, src_layout_dim)),
+                (_packed_rows(dst_v, item_size, "dst_v"), layer_of(src_v, layer_id, item_size, src_layout_dim))],
                dst_indices, src_indices, item_size, block_quota)
 
 
-def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, block_quota=2, num_warps_per_block=32):
+def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, block_quota=None,
+                              num_warps_per_block=32):
+    if block_quota is None:
+        block_quota = _sglang_block_quota()
     _one_layer([(_packed_rows(dst, item_size, "dst"), _packed_rows(src, item_size, "src"))], dst_indices,
                src_indices, item_size, block_quota)
 
 
 def transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim,
-                                    block_quota=2, num_warps_per_block=32):
-    _one_layer([(_packed_rows(dst, item_size, "dst"), _layer_of(src, layer_id, item_size, src_layout_dim))],
+                                    block_quota=None, num_warps_per_block=32):
+    if block_quota is None:
+        block_quota = _sglang_block_quota()
+    _one_layer([(_packed_rows(dst, item_size, "dst"), layer_of(src, layer_id, item_size, src_layout_dim))],
                dst_indices, src_indices, item_size, block_quota)
 
 
@@ -381,7 +402,7 @@ def _all_layers(dst_tables, src_tables, indices_dst, indices_src, *, dst_stride,
         ops.transfer_pointer_tables(dst_tables if len(dst_tables) > 1 else dst_tables[0], indices_dst,
                                     src_tables if len(src_tables) > 1 else src_tables[0], indices_src,
                                     dst_stride_bytes=dst_stride, src_stride_bytes=src_stride, element_size=item_size,
-                                    block_quota=_quota(block_quota))
+                                    block_quota=block_quota)
         return
     pairs = []
     for d, s in zip(dst_tables, src_tables):
@@ -396,21 +417,21 @@ def _check_layers(num_layers, *tables) -> None:
 
 
 def transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers, src_indices, dst_indices,
-                          item_size, num_layers, block_quota=2, num_warps_per_block=32):
+                          item_size, num_layers, block_quota=None, num_warps_per_block=32):
     _check_layers(num_layers, src_k_layers, dst_k_layers, src_v_layers, dst_v_layers)
     _all_layers((dst_k_layers, dst_v_layers), (src_k_layers, src_v_layers), dst_indices, src_indices,
                 dst_stride=item_size, src_stride=item_size, item_size=item_size, block_quota=block_quota)
 
 
 def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers,
-                              block_quota=2, num_warps_per_block=32):
+                              block_quota=None, num_warps_per_block=32):
     _check_layers(num_layers, src_layers, dst_layers)
     _all_layers((dst_layers,), (src_layers,), dst_indices, src_indices, dst_stride=item_size, src_stride=item_size,
                 item_size=item_size, block_quota=block_quota)
 
 
 def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size,
-                                dst_layout_dim, num_layers, block_quota=2, num_warps_per_block=32):
+                                dst_layout_dim, num_layers, block_quota=None, num_warps_per_block=32):
     _check_layers(num_layers, src_k_layers, src_v_layers)
     device = src_k_layers.device
     tables = (compat.host_layer_table(dst_k, num_layers, item_size, device),
@@ -420,7 +441,7 @@ def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_in
 
 
 def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim,
-                                    num_layers, block_quota=2, num_warps_per_block=32):
+                                    num_layers, block_quota=None, num_warps_per_block=32):
     _check_layers(num_layers, src_layers)
     table = compat.host_layer_table(dst, num_layers, item_size, src_layers.device)
     _all_layers((table,), (src_layers,), dst_indices, src_indices, dst_stride=dst_layout_dim, src_stride=item_size,
@@ -460,13 +481,13 @@ def _page_head_copy(pairs, host_idx, device_idx, *, host_is_dst: bool, item_size
     indices_dst, indices_src = (host_idx, device_idx) if host_is_dst else (device_idx, host_idx)
     if kernel_available(item_size // heads):
         for dst, src in pairs:
-            ops.transfer_one_layer_mla(dst, indices_dst, src, indices_src, block_quota=_quota(block_quota))
+            ops.transfer_one_layer_mla(dst, indices_dst, src, indices_src, block_quota=block_quota)
         return
     _copy(pairs, indices_dst, indices_src)
 
 
 def transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size,
-                                src_layout_dim, page_size, head_num, block_quota=2, num_warps_per_block=32):
+                                src_layout_dim, page_size, head_num, block_quota=None, num_warps_per_block=32):
     pairs = []
     for host, dev in ((src_k, dst_k), (src_v, dst_v)):
         p, layers = _page_head_pairs(host, dev, layer_id, item_size, page_size, head_num, host_is_dst=False)
@@ -477,7 +498,7 @@ def transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_ind
 
 
 def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size,
-                                dst_layout_dim, num_layers, page_size, head_num, block_quota=2,
+                                dst_layout_dim, num_layers, page_size, head_num, block_quota=None,
                                 num_warps_per_block=32):
     _check_layers(num_layers, src_k_layers, src_v_layers)
     head_bytes = item_size // head_num
@@ -510,7 +531,7 @@ def _rows_of(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0], -1) if t.dim() > 2 else t
 
 
-def _page_first_direct_rows(buffer: torch.Tensor, layer_id: int, page_size: int, indices: torch.Tensor):
+def page_first_direct_rows(buffer: torch.Tensor, layer_id: int, page_size: int, indices: torch.Tensor):
     """(flat rows, host row per token) of one layer of a (pages, layers, page_size, ...) buffer."""
     pages, layers = buffer.shape[0], buffer.shape[1]
     flat = buffer.view(pages * layers * page_size, -1)
@@ -524,7 +545,7 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
         raise ValueError(f"src_ptrs has {len(src_ptrs)} buffers but dst_ptrs has {len(dst_ptrs)} layers")
     pairs, rows = [], None
     for host, dev in zip(src_ptrs, dst_ptrs):
-        flat, rows = _page_first_direct_rows(host, layer_id, host.shape[2], src_indices)
+        flat, rows = page_first_direct_rows(host, layer_id, host.shape[2], src_indices)
         pairs.append((_rows_of(dev), flat))
     _copy(pairs, dst_indices, rows)
 
@@ -536,7 +557,7 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
     pairs, rows = [], None
     for b, host in enumerate(dst_ptrs):
         for layer in range(layers_per_buffer):
-            flat, rows = _page_first_direct_rows(host, layer, host.shape[2], dst_indices)
+            flat, rows = page_first_direct_rows(host, layer, host.shape[2], dst_indices)
             pairs.append((flat, _rows_of(src_ptrs[b * layers_per_buffer + layer])))
     _copy(pairs, rows, src_indices)
 

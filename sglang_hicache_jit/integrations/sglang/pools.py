@@ -1,0 +1,231 @@
+"""AROUND and AFTER hooks on SGLang's host-pool methods that raise for some
+layout x io_backend x sharding cells, even with every op routed.
+
+Each hook lets the pool's own method run whenever that method has a branch
+for the cell (its op names are routed by ``ops`` already), and steps in only
+where the method would raise:
+
+* ``io_backend='direct'`` on a ``page_first`` host buffer: the pool's kernel
+  branch runs, with every routed op held to the copy engines, which is what
+  'direct' asked for;
+* ``io_backend='kernel'`` on ``page_first_direct``: the pool's direct branch
+  runs (its ops are routed to this package's copy planner);
+* the layer-sharded backups the pools refuse (MLA on ``page_first`` without
+  the JIT kernel, which is the error this package was started for; MLA direct
+  on a non-``layer_first`` layout; MLA on ``page_first_direct``; the DSA
+  indexer on ``page_first`` or ``page_first_direct``): one layer is copied
+  here, from the device layer to the host layer's rows, through the routed path.
+
+Where releases differ, a hook exists once per release family, newest first,
+each declaring with ``@needs`` what it uses of the pool (``matching.py``): the
+plugin picks, per method, the first hook whose needs the installed release
+meets. The families differ only in where a layer's device rows and host
+layer come from:
+
+* 0.5.16-0.5.21: the device pool is an argument (``device_pool.kv_buffer``);
+* 0.5.22: the host pool holds the device buffers (``self.device_kv_buffers``);
+* 0.5.23: it also maps layers through ``_host_layer_by_controller`` and
+  ``_buffer_index_by_layer``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import ops as routed
+from ... import direct, ops
+from .matching import needs
+
+log = logging.getLogger(__name__)
+
+
+def _normalized(layout: str, io_backend: str):
+    """(io_backend the pool method can run, whether to hold it to the copy engines)."""
+    if io_backend == "direct" and layout == "page_first":
+        return "kernel", True
+    if io_backend == "kernel" and layout == "page_first_direct":
+        return "direct", False
+    return io_backend, False
+
+
+def _run(original, self, args, io_backend, kwargs):
+    backend, engines_only = _normalized(self.layout, io_backend)
+    if engines_only:
+        with routed.copy_engines_only():
+            return original(self, *args, backend, **kwargs)
+    return original(self, *args, backend, **kwargs)
+
+
+@needs(kwargs={"is_draft": False}, attributes={"layout"})
+def load_to_device_per_layer(original, self, device_pool, host_indices, device_indices, layer_id, io_backend,
+                             **kwargs):
+    return _run(original, self, (device_pool, host_indices, device_indices, layer_id), io_backend, kwargs)
+
+
+@needs(attributes={"layout"})
+def backup_from_device_all_layer(original, self, device_pool, host_indices, device_indices, io_backend):
+    # A layer-sharded pool backs up layer by layer through _backup_from_device_per_layer,
+    # which the hooks below serve for every (normalized) cell.
+    return _run(original, self, (device_pool, host_indices, device_indices), io_backend, {})
+
+
+def _copy_layer(host_rows, host_index, device_rows, device_index, *, io_backend: str, row_bytes: int) -> None:
+    """One layer, device -> host: through the kernel when asked and available, else the copy engines."""
+    if io_backend == "kernel" and routed.kernel_available(row_bytes):
+        ops.transfer_one_layer_mla(host_rows, host_index, device_rows, device_index)
+    else:
+        direct.copy_rows([(host_rows, device_rows)], host_index, device_index)
+
+
+# ---------------------------------------------------------------------------
+# MLA, one layer of a layer-sharded backup.
+
+def _mla_method_serves(self, io_backend) -> bool:
+    """Whether the pool's own per-layer backup has a branch for this cell."""
+    if io_backend not in ("kernel", "direct") or self.layout not in ("page_first", "page_first_direct"):
+        return True  # other backends and layouts: the method says what it supports
+    return self.layout == "page_first" and io_backend == "kernel" and self.can_use_jit
+
+
+def _mla_backup_layer(self, host_layer, device_rows, host_indices, device_indices, io_backend) -> None:
+    device_rows = device_rows.view(device_rows.shape[0], -1)
+    if self.layout == "page_first":
+        host_rows = self.data_refs[host_layer]
+        host_rows, host_index = host_rows.view(host_rows.shape[0], -1), host_indices
+    else:  # page_first_direct: (pages, layers, page_size, 1, dim)
+        host_rows, host_index = routed.page_first_direct_rows(self.kv_buffer, host_layer, self.kv_buffer.shape[2],
+                                                              host_indices)
+    _copy_layer(host_rows, host_index, device_rows, device_indices, io_backend=io_backend,
+                row_bytes=self.kv_cache_dim * self.dtype.itemsize)
+
+
+_MLA_POOL = ("layout", "can_use_jit", "data_refs", "kv_buffer", "kv_cache_dim", "dtype")
+
+
+@needs(kwargs={"is_draft": False}, attributes={*_MLA_POOL, "_host_layer_by_controller", "device_kv_buffers",
+                                               "_buffer_index_by_layer"})
+def mla_backup_from_device_per_layer(original, self, host_indices, device_indices, layer_id, io_backend, **kwargs):
+    """0.5.23: host and device layers through the pool's own maps (draft layers included)."""
+    if _mla_method_serves(self, io_backend):
+        return original(self, host_indices, device_indices, layer_id, io_backend, **kwargs)
+    _mla_backup_layer(self, self._host_layer_by_controller[layer_id],
+                      self.device_kv_buffers[self._buffer_index_by_layer[layer_id]], host_indices, device_indices,
+                      io_backend)
+
+
+@needs(kwargs={"is_draft": False}, attributes={*_MLA_POOL, "_host_layer_index", "device_kv_buffers"},
+       absent={"_buffer_index_by_layer"})
+def mla_backup_from_device_per_layer_0522(original, self, host_indices, device_indices, layer_id, io_backend,
+                                          **kwargs):
+    """0.5.22: the pool holds the device buffers, indexed by layer; a draft layer's host layer is its id."""
+    if _mla_method_serves(self, io_backend):
+        return original(self, host_indices, device_indices, layer_id, io_backend, **kwargs)
+    host_layer = layer_id if kwargs.get("is_draft", False) else self._host_layer_index(layer_id)
+    _mla_backup_layer(self, host_layer, self.device_kv_buffers[layer_id], host_indices, device_indices, io_backend)
+
+
+@needs(kwargs={"is_draft": False}, attributes={*_MLA_POOL, "_host_layer_index"}, reads={"device_pool": {"kv_buffer"}})
+def mla_backup_from_device_per_layer_0516(original, self, device_pool, host_indices, device_indices, layer_id,
+                                          io_backend, **kwargs):
+    """0.5.16-0.5.21: the device pool is an argument; a draft layer has its own one-layer pool."""
+    if _mla_method_serves(self, io_backend):
+        return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
+    draft = kwargs.get("is_draft", False)
+    host_layer = layer_id if draft else self._host_layer_index(layer_id)
+    _mla_backup_layer(self, host_layer, device_pool.kv_buffer[0 if draft else layer_id], host_indices,
+                      device_indices, io_backend)
+
+
+# ---------------------------------------------------------------------------
+# DSA indexer, one layer of a layer-sharded backup (rows are whole index pages).
+
+def _dsa_method_serves(self, io_backend) -> bool:
+    if io_backend not in ("kernel", "direct") or self.layout not in ("layer_first", "page_first",
+                                                                     "page_first_direct"):
+        return True  # other backends and layouts: the method says what it supports
+    # Its kernel branch needs 8-byte multiples of the index page stride.
+    kernel_ok = io_backend == "kernel" and self.indexer_page_stride_size % 8 == 0
+    return self.layout == "layer_first" and (kernel_ok or io_backend == "direct")
+
+
+def _dsa_backup_layer(self, device_pool, host_indices, device_indices, host_layer, device_layer, io_backend):
+    host_pages, device_pages = self._get_indexer_page_indices(host_indices, device_indices)
+    item = self.indexer_page_stride_size * self.indexer_dtype.itemsize
+    device_rows = device_pool.index_k_with_scale_buffer[device_layer]
+    device_rows = device_rows.view(device_rows.shape[0], -1)
+    host = self.index_k_with_scale_buffer
+    if self.layout == "layer_first":
+        host_rows = host[host_layer].view(host.shape[1], -1)
+    else:  # page_first and page_first_direct share one (pages, layers, 1, page_bytes) buffer
+        host_rows = routed.layer_of(host, host_layer, item, self.indexer_layout_dim * self.indexer_dtype.itemsize)
+    _copy_layer(host_rows, host_pages, device_rows, device_pages, io_backend=io_backend, row_bytes=item)
+
+
+_DSA_POOL = ("layout", "indexer_page_stride_size", "_host_layer_index", "_get_indexer_page_indices", "indexer_dtype",
+             "index_k_with_scale_buffer", "indexer_layout_dim")
+
+
+@needs(kwargs={"is_draft": False}, attributes={*_DSA_POOL, "_draft_host_layer"},
+       reads={"device_pool": {"index_k_with_scale_buffer"}})
+def dsa_backup_from_device_per_layer(original, self, device_pool, host_indices, device_indices, layer_id,
+                                     io_backend, **kwargs):
+    """0.5.22+: a draft layer's host layer comes from the pool (_draft_host_layer)."""
+    if _dsa_method_serves(self, io_backend):
+        return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
+    draft = kwargs.get("is_draft", False)
+    host_layer = self._draft_host_layer(layer_id) if draft else self._host_layer_index(layer_id)
+    _dsa_backup_layer(self, device_pool, host_indices, device_indices, host_layer, 0 if draft else layer_id,
+                      io_backend)
+
+
+@needs(kwargs={"is_draft": False}, attributes=_DSA_POOL, reads={"device_pool": {"index_k_with_scale_buffer"}},
+       absent={"_draft_host_layer"})
+def dsa_backup_from_device_per_layer_0516(original, self, device_pool, host_indices, device_indices, layer_id,
+                                          io_backend, **kwargs):
+    """0.5.16-0.5.21: a draft layer's host layer is its id."""
+    if _dsa_method_serves(self, io_backend):
+        return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
+    draft = kwargs.get("is_draft", False)
+    host_layer = layer_id if draft else self._host_layer_index(layer_id)
+    _dsa_backup_layer(self, device_pool, host_indices, device_indices, host_layer, 0 if draft else layer_id,
+                      io_backend)
+
+
+# ---------------------------------------------------------------------------
+
+# Ops whose device addresses come from pointer tables, which carry no
+# stride: SGLang's packed-rows guard must still stop those for strided rows.
+# Every other guarded op is routed to code that reads the tensors' strides.
+_STRIDE_BLIND_OPS = frozenset({
+    "transfer_kv_all_layer", "transfer_kv_all_layer_mla", "transfer_kv_all_layer_lf_pf",
+    "transfer_kv_all_layer_mla_lf_pf", "transfer_kv_all_layer_lf_ph",
+})
+
+
+@needs()
+def require_packed_device_rows(original, self, kernel):
+    if kernel in _STRIDE_BLIND_OPS:
+        return original(self, kernel)
+    return None
+
+
+def describe_pool(result, self, *args, **kwargs):
+    """AFTER hook on a pool's transfer setup: one INFO line with its path. Reads only what it finds."""
+    try:
+        row_bytes = _row_bytes_of(self)
+        path = routed.path_for(row_bytes) if row_bytes else "unknown"
+        log.info("sglang-hicache-jit: %s (layout=%s, %s B rows) transfers through the %s path", type(self).__name__,
+                 getattr(self, "layout", "?"), row_bytes, "JIT kernel" if path == "kernel" else "copy-engine")
+    except Exception as exc:  # a log line must never break a pool
+        log.debug("sglang-hicache-jit: could not describe %s: %s", type(self).__name__, exc)
+    return result
+
+
+def _row_bytes_of(pool) -> int | None:
+    if hasattr(pool, "kv_cache_dim"):
+        return pool.kv_cache_dim * pool.dtype.itemsize
+    if hasattr(pool, "element_dim"):
+        return pool.element_dim * pool.dtype.itemsize
+    if hasattr(pool, "indexer_page_stride_size"):
+        return pool.indexer_page_stride_size * pool.indexer_dtype.itemsize
+    return None
