@@ -1,4 +1,4 @@
-"""SGLang 0.5.23 itself, with this package installed: signatures, plugin discovery, pools.
+"""The installed SGLang itself, with this package installed: signatures, plugin discovery, pools.
 
 These tests need sglang importable (``pip install --no-deps sglang==0.5.23``
 and ``pip install -e ".[sglang]"``, as .ci/run does). Without it they skip,
@@ -7,9 +7,10 @@ into a failure. The plugin is found through the installed distribution's
 entry points, so the package must be pip-installed, not just on PYTHONPATH.
 
 Pool tests run tests/sglang_cells.py in a fresh process (the plugin patches
-process-wide state) with tests/sglang_stubs first on the path: sgl-kernel is
-then importable but every op in it raises, which is the deployment this
-package exists for.
+process-wide state) with a generated sgl_kernel stand-in first on the path
+(release_kit.py): the signatures of the sglang-kernel the installed SGLang
+pins, every op raising, which is the deployment this package exists for.
+test_sglang_releases.py does the same for every recorded release.
 """
 
 import inspect
@@ -22,7 +23,6 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-STUBS = HERE / "sglang_stubs"
 
 
 def _sglang_or_skip():
@@ -38,6 +38,37 @@ def _sglang_or_skip():
 @pytest.fixture(scope="module")
 def upstream():
     return _sglang_or_skip()
+
+
+@pytest.fixture(scope="module")
+def installed():
+    """The installed SGLang's version (it must be one the release records cover)."""
+    from importlib.metadata import version
+
+    import release_kit
+
+    found = version("sglang")
+    assert found in release_kit.recorded(), f"sglang {found} is not recorded: run tools/sglang_releases.py {found}"
+    return found
+
+
+@pytest.fixture(scope="module")
+def standin(installed, tmp_path_factory):
+    """An sgl_kernel stand-in with the signatures of the sglang-kernel the installed SGLang pins."""
+    import release_kit
+
+    return release_kit.write_standin(tmp_path_factory.mktemp("standin"), installed)
+
+
+def _expected_patched(version: str) -> set:
+    """What the planner decides from the release's record: the patches the plugin must make."""
+    import release_kit
+
+    from sglang_hicache_jit.integrations.sglang.plan import RecordedFacts, plan
+
+    rec = release_kit.record(version)
+    return {f"{d.target.name} -> {d.path}" for d in plan(RecordedFacts(rec, release_kit.kernel_record(rec["sglang_kernel"])))
+            if d.patched}
 
 
 def _params(fn):
@@ -71,32 +102,19 @@ def test_compat_signature_equals_installed_sglang(upstream, name):
     assert _params(getattr(compat, name)) == _params(getattr(upstream, name))
 
 
-def test_routed_ops_have_upstream_signatures(upstream):
-    from sglang_hicache_jit.integrations import sglang_ops
+def test_routed_ops_take_every_call_the_installed_ops_take(upstream):
+    from sglang_hicache_jit.integrations.sglang import matching
+    from sglang_hicache_jit.integrations.sglang import ops as routed
 
-    for name in sglang_ops.HICACHE_OPS:
-        assert _params(getattr(sglang_ops, name)) == _params(getattr(upstream, name)), name
-
-
-def test_routed_kvcacheio_ops_have_sgl_kernel_signatures():
-    # The stand-in declares sgl-kernel's published kvcacheio signatures.
-    sys.path.insert(0, str(STUBS))
-    try:
-        import importlib
-
-        kvcacheio = importlib.import_module("sgl_kernel.kvcacheio")
-    finally:
-        sys.path.remove(str(STUBS))
-    from sglang_hicache_jit.integrations import sglang_ops
-
-    for name in sglang_ops.KVCACHEIO_OPS:
-        assert _params(getattr(sglang_ops, name)) == _params(getattr(kvcacheio, name)), name
+    for name in routed.HICACHE_OPS:
+        assert matching.replacement_mismatch(matching.params_of(getattr(upstream, name)),
+                                             matching.params_of(getattr(routed, name))) is None, name
 
 
 @pytest.mark.parametrize("element_size", [576, 6, 0, -4, [576], 2.5, "288", None, True])
 def test_can_use_never_raises(upstream, element_size):
     from sglang_hicache_jit import compat
-    from sglang_hicache_jit.integrations import sglang_ops
+    from sglang_hicache_jit.integrations.sglang import ops as sglang_ops
 
     assert isinstance(compat.can_use_hicache_jit_kernel(element_size=element_size), bool)
     assert isinstance(compat.can_use_write_back_jit_kernel(element_size=element_size), bool)
@@ -104,9 +122,9 @@ def test_can_use_never_raises(upstream, element_size):
     assert isinstance(sglang_ops.can_use_hicache_jit_kernel(element_size=element_size), bool)
 
 
-def _run_cells(mode: str, *, env=None, only: str = "", timeout: int = 600):
+def _run_cells(standin, mode: str, *, env=None, only: str = "", timeout: int = 600):
     child_env = dict(os.environ)
-    child_env["PYTHONPATH"] = os.pathsep.join([str(STUBS), str(HERE.parent), child_env.get("PYTHONPATH", "")])
+    child_env["PYTHONPATH"] = os.pathsep.join([str(standin), str(HERE.parent), child_env.get("PYTHONPATH", "")])
     child_env.update(env or {})
     args = [sys.executable, str(HERE / "sglang_cells.py"), mode] + (["--only", only] if only else [])
     proc = subprocess.run(args, capture_output=True, text=True, env=child_env, timeout=timeout)
@@ -119,15 +137,15 @@ def _cell_failures(records):
 
 
 @pytest.mark.slow  # a fresh process importing sglang: ~15 s on 2 cores
-def test_plugin_is_discovered_and_every_pool_builds(upstream):
-    proc, records = _run_cells("construct")
+def test_plugin_is_discovered_and_every_pool_builds(upstream, installed, standin):
+    proc, records = _run_cells(standin, "construct")
     assert records, proc.stderr[-3000:]
     header = records[0]
     assert header["plugin"]["registered"] is True, header
     assert header["skipped"] == [], header["skipped"]
-    assert header["patched"] == 33
+    assert set(header["patched"]) == _expected_patched(installed)
     assert not _cell_failures(records), "\n".join(_cell_failures(records))
-    assert records[-1]["summary"]["cells"] == 56 and proc.returncode == 0
+    assert records[-1]["summary"]["cells"] == 57 and proc.returncode == 0
     assert "Traceback" not in proc.stderr
 
 
@@ -149,8 +167,8 @@ print(who(m.jit_transfer_hicache_one_layer_mla), who(d.transfer_kv_per_layer_mla
 """
 
 
-def _who_runs(env):
-    child_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(STUBS), os.environ.get("PYTHONPATH", "")]), **env)
+def _who_runs(standin, env):
+    child_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(standin), os.environ.get("PYTHONPATH", "")]), **env)
     out = subprocess.run([sys.executable, "-c", _WHO_RUNS], capture_output=True, text=True, env=child_env,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -159,17 +177,19 @@ def _who_runs(env):
 
 @pytest.mark.slow  # a fresh process importing sglang: ~15 s on 2 cores
 @pytest.mark.parametrize("env", [{"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0"}, {"SGLANG_PLUGINS": "someone_else"}])
-def test_plugin_can_be_turned_off(upstream, env):
-    names, _ = _who_runs(env)
+def test_plugin_can_be_turned_off(upstream, standin, env):
+    names, _ = _who_runs(standin, env)
     assert names == ["sglang.kernels.ops.kvcache.hicache", "sgl_kernel.kvcacheio", "sgl_kernel.kvcacheio",
                      "sglang.kernels.ops.kvcache.hicache"]
 
 
 @pytest.mark.slow  # a fresh process importing sglang: ~15 s on 2 cores
-def test_plugin_routes_pool_modules_to_this_package(upstream):
-    names, log = _who_runs({})
-    assert names == ["sglang_hicache_jit.integrations.sglang_ops"] * 4
-    assert "sglang-hicache-jit: sglang 0.5.23: routing 21 HiCache ops and 12 pool methods" in log
+def test_plugin_routes_pool_modules_to_this_package(upstream, installed, standin):
+    names, log = _who_runs(standin, {})
+    # transfer_kv_per_layer_mla among them: sgl-kernel 0.4.7+ gives it block_quota=None, which fits.
+    assert names == ["sglang_hicache_jit.integrations.sglang.ops"] * 4
+    assert (f"sglang-hicache-jit: sglang {installed} (checked against sglang {installed}): routing 21 HiCache ops "
+            "and 12 pool methods through this package; 0 not in this release; skipped 0.") in log
 
 
 def test_register_never_raises(upstream, monkeypatch, caplog):
@@ -192,46 +212,26 @@ def test_register_never_raises(upstream, monkeypatch, caplog):
         plugin.status.update(saved)
 
 
-def test_targets_with_another_signature_are_skipped(upstream):
-    from sglang_hicache_jit.integrations import sglang as plugin
-    from sglang_hicache_jit.integrations import sglang_ops
-
-    class Renamed:
-        HICACHE_OPS = ("transfer_hicache_one_layer_mla",)
-        KVCACHEIO_OPS = ()
-
-        @staticmethod
-        def transfer_hicache_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *, element_dim=None):
-            pass
-
-    saved = dict(plugin.status)
-    plugin.reload_for_tests()
-    try:
-        assert plugin._op_targets(Renamed) == []
-        assert plugin.status["skipped"][0][0].endswith("transfer_hicache_one_layer_mla")
-        assert "signature differs" in plugin.status["skipped"][0][1]
-        chosen = plugin._op_targets(sglang_ops)
-        assert any(t.endswith("transfer_hicache_one_layer_mla") for t, _ in chosen)
-    finally:
-        plugin.status.update(saved)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("disable", ["0", "1"], ids=["kernel", "jit-disabled"])
-def test_every_cell_bit_exact_on_gpu(upstream, disable):
-    proc, records = _run_cells("transfer", env={"SGLANG_HICACHE_JIT_DISABLE": disable})
+def test_every_cell_bit_exact_on_gpu(upstream, standin, disable):
+    proc, records = _run_cells(standin, "transfer", env={"SGLANG_HICACHE_JIT_DISABLE": disable})
     assert records, proc.stderr[-3000:]
     failures = _cell_failures(records)
     assert not failures, "\n".join(failures)
-    assert records[-1]["summary"] == {"cells": 56, "failed": 0}
+    assert records[-1]["summary"] == {"cells": 57, "failed": 0}
     paths = {p for r in records if "path" in r for p in r["path"].values()}
     assert paths == ({"direct"} if disable == "1" else {"kernel"}), paths
 
 
 @pytest.mark.parametrize("env, active", [({}, True), ({"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0"}, False),
                                          ({"SGLANG_PLUGINS": "someone_else"}, False),
-                                         ({"SGLANG_PLUGINS": "someone_else,hicache_jit"}, True)])
-def test_info_says_whether_sglang_will_run_the_plugin(upstream, monkeypatch, env, active):
+                                         ({"SGLANG_PLUGINS": "someone_else,hicache_jit"}, True),
+                                         ({"SGLANG_PLUGINS": " hicache_jit ,"}, True),
+                                         # SGLang reads a set but blank whitelist as "none": so does info
+                                         ({"SGLANG_PLUGINS": " "}, False), ({"SGLANG_PLUGINS": ","}, False),
+                                         ({"SGLANG_PLUGINS": ",,"}, False)])
+def test_info_says_whether_sglang_will_run_the_plugin(upstream, installed, monkeypatch, env, active):
     from sglang_hicache_jit.integrations import sglang as plugin
 
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
@@ -239,8 +239,11 @@ def test_info_says_whether_sglang_will_run_the_plugin(upstream, monkeypatch, env
         monkeypatch.setenv(name, value)
     described = plugin.describe()
     assert described["entry_point"] == "hicache_jit"  # the package is installed, not just on the path
-    assert described["sglang"] == "0.5.23"
-    assert described["active"] is active
+    assert described["sglang"] == installed and described["loads_plugins"] is True
+    assert described["active"] is active, described["line"]
+    assert described["line"].startswith("active" if active else ("off" if "SGLANG_HICACHE_JIT_SGLANG_PLUGIN" in env else "skipped"))
+    if active:
+        assert described["release"]["sglang"] == installed and "routes 21 ops and 12 pool methods" in described["line"]
 
 
 def test_plugin_stands_aside_on_a_non_cuda_torch(upstream, monkeypatch, caplog):
