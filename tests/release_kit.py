@@ -10,7 +10,9 @@
 * ``write_standin(dest, version)``: an ``sgl_kernel`` package whose ``kvcacheio``
   functions have the signatures of the sglang-kernel that release pins (generated from
   the record) and raise when called, as does every other name in it; that is the
-  deployment this package exists for.
+  deployment this package exists for. Where flashinfer is not installed (it is 65 MB,
+  and SGLang imports it on CUDA only for kernels the host pools never call), a
+  ``flashinfer`` package of the version the release pins, every name raising, too.
 
 Run as a script it writes a stand-in for the GPU scripts:
 ``python3 tests/release_kit.py standin 0.5.23 DIR``.
@@ -19,6 +21,7 @@ Run as a script it writes a stand-in for the GPU scripts:
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -31,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "sglang_data"
-GENERIC = HERE / "sglang_stubs" / "sgl_kernel" / "__init__.py"
+TEMPLATE = HERE / "sglang_standin_package.py"
 
 
 def _version_key(v: str):
@@ -155,16 +158,24 @@ def _signature(params: list) -> str:
     return ", ".join(parts)
 
 
+def _standin_package(dest: Path, name: str, version: str) -> Path:
+    package = dest / name
+    package.mkdir(parents=True, exist_ok=True)
+    template = TEMPLATE.read_text().replace('__version__ = "0.0.0"', f'__version__ = "{version}"')
+    (package / "__init__.py").write_text(template)
+    return package
+
+
 def write_standin(dest: Path, version: str) -> Path:
     """Writes ``dest/sgl_kernel`` for the sglang-kernel that sglang ``version`` pins; returns ``dest``."""
     pin = record(version)["sglang_kernel"]
     kernel = kernel_record(pin)
     if kernel is None:
         raise LookupError(f"sglang-kernel {pin} is not recorded; run tools/sglang_releases.py {version} --kernels")
-    package = Path(dest) / "sgl_kernel"
-    package.mkdir(parents=True, exist_ok=True)
-    generic = GENERIC.read_text().replace('__version__ = "0.0.0-standin"', f'__version__ = "{pin}"')
-    (package / "__init__.py").write_text(generic)
+    package = _standin_package(Path(dest), "sgl_kernel", pin)
+    flashinfer = record(version).get("flashinfer")
+    if flashinfer and importlib.util.find_spec("flashinfer") is None:
+        _standin_package(Path(dest), "flashinfer", flashinfer)
     lines = [f'"""sgl_kernel.kvcacheio of sglang-kernel {pin}: its signatures (generated from '
              f'tests/sglang_data/sglang-kernel-{pin}.json), every call raises."""', "",
              "from sgl_kernel import UnavailableOp", ""]

@@ -202,11 +202,14 @@ def dsa_pool(*, layout, sharded, device, pin) -> Built:
 # ---------------------------------------------------------------------------
 # Reading host rows by layout, not through the pool's own views.
 
-def _host_layer(host, layer: int) -> int:
-    by_controller = getattr(host, "_host_layer_by_controller", None)
+def _host_layer(built: Built, layer: int) -> int:
+    """The host layer of a device layer: the pool's own map (0.5.23), else its owned range (sharded pools)."""
+    by_controller = getattr(built.host, "_host_layer_by_controller", None)
     if by_controller is not None:
         return by_controller[layer]
-    return host._host_layer_index(layer) if hasattr(host, "_host_layer_index") else layer
+    if built.device_pool is not None and getattr(built.device_pool, "layer_shard_enabled", False):
+        return built.host._host_layer_index(layer, built.device_pool)
+    return layer
 
 
 def _layer_rows(buf: torch.Tensor, layout: str, layer: int) -> torch.Tensor:
@@ -260,11 +263,11 @@ def run_mla_or_mha(kind: str, built: Built, io_backend: str, generator) -> None:
     dev_pages = _pages(6, DEVICE_PAGES, generator)
     host_idx, dev_idx = _tokens(host_pages), _tokens(dev_pages).cuda()
     _random_(host.kv_buffer)
-    before = {layer: [v.clone() for v in views(_host_layer(host, layer))] for layer in layer_ids}
+    before = {layer: [v.clone() for v in views(_host_layer(built, layer))] for layer in layer_ids}
     host.backup_from_device_all_layer(built.device_pool, host_idx, dev_idx, io_backend)
     torch.cuda.synchronize()
     for layer in layer_ids:
-        for after, old, dev in zip(views(_host_layer(host, layer)), before[layer], dev_of(layer)):
+        for after, old, dev in zip(views(_host_layer(built, layer)), before[layer], dev_of(layer)):
             _expect_rows(after, old, host_idx, dev.reshape(dev.shape[0], -1)[dev_idx], f"backup layer {layer}")
     # Load back into other device slots, over fresh random device data.
     load_idx = _tokens(_pages(6, DEVICE_PAGES, generator)).cuda()
@@ -276,7 +279,7 @@ def run_mla_or_mha(kind: str, built: Built, io_backend: str, generator) -> None:
         host.load_to_device_per_layer(built.device_pool, host_idx, load_idx, layer, io_backend)
     torch.cuda.synchronize()
     for layer in layer_ids:
-        for dev, old, hv in zip(dev_of(layer), dev_before[layer], views(_host_layer(host, layer))):
+        for dev, old, hv in zip(dev_of(layer), dev_before[layer], views(_host_layer(built, layer))):
             _expect_rows(dev.reshape(dev.shape[0], -1), old.reshape(old.shape[0], -1), load_idx.cpu(), hv[host_idx],
                          f"load layer {layer}")
 
@@ -288,12 +291,12 @@ def run_dsa(built: Built, io_backend: str, generator) -> None:
     dev_pages = _pages(5, DEVICE_PAGES, generator)
     host_idx, dev_idx = _tokens(host_pages), _tokens(dev_pages).cuda()
     _random_(host.index_k_with_scale_buffer)
-    before = {layer: dsa_host_layer(host, host._host_layer_index(layer)).clone() for layer in owned}
+    before = {layer: dsa_host_layer(host, _host_layer(built, layer)).clone() for layer in owned}
     host.backup_from_device_all_layer(device_pool, host_idx, dev_idx, io_backend)
     torch.cuda.synchronize()
     for layer in owned:
         dev = built.layers[layer]
-        _expect_rows(dsa_host_layer(host, host._host_layer_index(layer)), before[layer], host_pages,
+        _expect_rows(dsa_host_layer(host, _host_layer(built, layer)), before[layer], host_pages,
                      dev[dev_pages.cuda()], f"indexer backup layer {layer}")
     load_pages = _pages(5, DEVICE_PAGES, generator)
     for layer in owned:
@@ -304,7 +307,7 @@ def run_dsa(built: Built, io_backend: str, generator) -> None:
     torch.cuda.synchronize()
     for layer in owned:
         _expect_rows(built.layers[layer], dev_before[layer], load_pages,
-                     dsa_host_layer(host, host._host_layer_index(layer))[host_pages], f"indexer load layer {layer}")
+                     dsa_host_layer(host, _host_layer(built, layer))[host_pages], f"indexer load layer {layer}")
 
 
 # ---------------------------------------------------------------------------
@@ -365,6 +368,16 @@ def run_cell(spec, *, transfer: bool, device: str, generator, record: dict, buil
         if transfer:
             run_dsa(built, backend, generator)
     record["pool"] = type(built.host).__name__
+
+
+def release(pool) -> None:
+    """Unregisters a pool's pinned host memory, so the next cell can register memory at the same address.
+    DSA indexer pools before 0.5.22 leave their index buffer registered (one pool per process in a server)."""
+    index = getattr(pool, "index_k_with_scale_buffer", None)
+    releases_index = "destroy" in vars(type(pool))
+    pool.destroy()
+    if index is not None and not releases_index and pool.pin_memory and torch.cuda.is_available():
+        torch.cuda.cudart().cudaHostUnregister(index.data_ptr())
 
 
 def missing_needs(pool, decisions) -> list:
@@ -460,8 +473,7 @@ def main() -> int:
             record.update(ok=False, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-2000:])
         finally:
             for pool in pools:
-                if hasattr(pool, "destroy"):
-                    pool.destroy()
+                release(pool)
         print(json.dumps(record), flush=True)
     surplus = standin_surplus()
     if surplus:

@@ -2,15 +2,11 @@
 # GPU run for transfers under compute (the figures in docs/BENCHMARKS.md, "Transfers beside compute"):
 # every approach on one workload (mla-bf16, one layer, 16K tokens, page 64) beside back-to-back
 # saturating bf16 matmuls and beside decode-like steps, then what resident CTAs cost the compute
-# (tools/bench_residency.py). Needs the carried wheels in ./.devwhl for the upstream providers.
+# (tools/bench_residency.py). Needs the carry in ./.devwhl (tools/sglang_carry.py) for the upstream providers.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 SGLANG_HICACHE_JIT_CACHE_DIR=${SGLANG_HICACHE_JIT_CACHE_DIR:-/tmp/hicache-cache}
-if [ -d .devwhl ] && [ ! -d /tmp/site/sglang ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .devwhl/*.whl || exit 1
-fi
-export PYTHONPATH=$PWD:/tmp/site
+if [ -d .devwhl ]; then source tools/gpu_carry.sh; else export PYTHONPATH=$PWD; fi
 B="timeout 200 python3 tools/bench_transfer.py --mode interference --workloads mla-bf16 --tokens 16384 --page-sizes 64 --gemm-seconds 0.2"
 P="jit jit-q2 jit-resident-r2 jit-resident-r4 jit-resident-r8 jit-resident-bulk-r4 jit-resident-bulk-r8 direct upstream-reg upstream-tma"
 echo "== matmul"; $B --load matmul --priorities normal --providers $P --json "$OUT/interf-matmul.json" 2>&1 | grep -v "^$" | tee "$OUT/interf-matmul.txt"

@@ -230,6 +230,7 @@ def record_release(version: str, cache: Path) -> dict:
     meta = wheel.metadata()
     pin = re.search(r"^Requires-Dist: sglang-kernel==(\S+)", meta, re.M)
     torch_pin = re.search(r"^Requires-Dist: torch==(\S+)", meta, re.M)
+    flashinfer_pin = re.search(r"^Requires-Dist: flashinfer[_-]python(?:\[[^]]*\])?==([^\s;]+)", meta, re.M)
     targets, classes, reads = {}, {}, {}
     for target in TARGETS:
         for path in target.paths:
@@ -248,6 +249,7 @@ def record_release(version: str, cache: Path) -> dict:
                     reads[path] = {"device_pool": device_pool}
     return {"sglang": version, "sglang_kernel": pin.group(1) if pin else None,
             "torch": torch_pin.group(1) if torch_pin else None,
+            "flashinfer": flashinfer_pin.group(1) if flashinfer_pin else None,
             "plugins": "sglang/srt/plugins/hook_registry.py" in wheel.names,
             "wheels": dict(sorted(wheels.items())), "targets": targets, "classes": classes, "reads": reads}
 
