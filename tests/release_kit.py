@@ -37,7 +37,7 @@ DATA = HERE / "sglang_data"
 TEMPLATE = HERE / "sglang_standin_package.py"
 
 
-def _version_key(v: str):
+def version_key(v: str):
     import re
 
     return [int(p) if p.isdigit() else -1 for p in re.split(r"[.]|post", v)]
@@ -45,7 +45,7 @@ def _version_key(v: str):
 
 def recorded() -> list:
     """Every recorded sglang release, oldest first."""
-    return sorted((p.name[len("sglang-"):-len(".json")] for p in DATA.glob("sglang-0*.json")), key=_version_key)
+    return sorted((p.name[len("sglang-"):-len(".json")] for p in DATA.glob("sglang-0*.json")), key=version_key)
 
 
 def record(version: str) -> dict:
@@ -83,7 +83,7 @@ def check_private(path: Path) -> None:
         raise UntrustedCache(f"{path} is writable by others (mode {stat.S_IMODE(info.st_mode):o})")
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -114,7 +114,7 @@ def release_tree(version: str) -> Path:
     wheels.mkdir(exist_ok=True, mode=0o700)
     check_private(wheels)
     wheel = wheels / name
-    if not wheel.exists() or _sha256(wheel) != digest:
+    if not wheel.exists() or sha256(wheel) != digest:
         with tempfile.TemporaryDirectory(dir=wheels) as tmp:
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                             "-d", tmp, f"sglang=={version}"], check=True, capture_output=True)
@@ -122,7 +122,7 @@ def release_tree(version: str) -> Path:
             if not fetched.exists():
                 raise LookupError(f"pip download sglang=={version} gave {os.listdir(tmp)}, not {name}")
             os.replace(fetched, wheel)
-    if _sha256(wheel) != digest:
+    if sha256(wheel) != digest:
         raise UntrustedCache(f"{wheel}: sha256 differs from the recorded {digest}; refusing to load it")
     staging = Path(tempfile.mkdtemp(dir=root, prefix=f".unpack-{version}-"))
     try:

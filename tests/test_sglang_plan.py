@@ -24,7 +24,7 @@ from sglang_hicache_jit.integrations.sglang.targets import TARGETS
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES = release_kit.recorded()
 WITH_PLUGINS = [v for v in RELEASES if release_kit.record(v)["plugins"]]
-SEED_RELEASES = [v for v in RELEASES if release_kit._version_key(v) >= release_kit._version_key("0.5.16")]
+SEED_RELEASES = [v for v in RELEASES if release_kit.version_key(v) >= release_kit.version_key("0.5.16")]
 
 
 def decisions(version: str) -> dict:

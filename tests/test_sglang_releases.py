@@ -35,13 +35,13 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 RELEASES = release_kit.recorded()
-CELLS_FROM = release_kit._version_key("0.5.16")
+CELLS_FROM = release_kit.version_key("0.5.16")
 
 
 def _mode(version: str) -> str:
     if not release_kit.record(version)["plugins"]:
         return "info"
-    return "construct" if release_kit._version_key(version) >= CELLS_FROM else "plugin"
+    return "construct" if release_kit.version_key(version) >= CELLS_FROM else "plugin"
 
 
 def _run(version: str, standins: Path) -> dict:

@@ -97,9 +97,9 @@ def trimmed_tree(version: str, python: str, cache: Path, relative: list) -> byte
     name, digest = next((n, d) for n, d in release_kit.record(version)["wheels"].items()
                         if f"-cp{python.replace('.', '')}-" in n or "-py3-none-any" in n)
     wheel = cache / name
-    if not wheel.exists() or release_kit._sha256(wheel) != digest:
+    if not wheel.exists() or release_kit.sha256(wheel) != digest:
         download(f"sglang=={version}", cache, python)
-    if release_kit._sha256(wheel) != digest:
+    if release_kit.sha256(wheel) != digest:
         raise SystemExit(f"{wheel}: sha256 differs from the recorded one")
     keep_dirs = {os.path.dirname(r) for r in relative}
     buffer = io.BytesIO()

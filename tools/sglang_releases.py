@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import json
 import os
 import re
@@ -41,11 +40,12 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from sglang_hicache_jit.integrations.sglang import matching  # noqa: E402
 from sglang_hicache_jit.integrations.sglang.plan import RecordedFacts, plan  # noqa: E402
 from sglang_hicache_jit.integrations.sglang.targets import TARGETS  # noqa: E402
+from release_kit import sha256, version_key  # noqa: E402
 
 DATA = ROOT / "tests" / "sglang_data"
 SUPPORT = ROOT / "sglang_hicache_jit" / "integrations" / "sglang" / "support.json"
@@ -58,10 +58,6 @@ PYTHONS = ("3.11", "3.12")
 # Names whose value on a CUDA build a default may test (``16 if _is_hip else 32``).
 CUDA_FLAGS = {"_is_hip": False, "_is_cuda": True, "_is_npu": False, "_is_xpu": False, "_is_mps": False,
               "_is_musa": False, "_is_cpu": False}
-
-
-def version_key(v: str):
-    return [int(p) if p.isdigit() else -1 for p in re.split(r"[.]|post", v)]
 
 
 # ---------------------------------------------------------------------------
@@ -80,14 +76,6 @@ def download(spec: str, dest: Path, python: str) -> Path:
     if len(wheels) != 1:
         raise SystemExit(f"expected one wheel of {spec} for Python {python} in {dest}, found {[w.name for w in wheels]}")
     return wheels[0]
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------
