@@ -49,6 +49,9 @@ class Pools:
     device: list    # per cache: list of LAYERS device tensors (slots, row_bytes)
     host_slots: int
     device_slots: int
+    # 'page_first', or 'page_first_direct': the same bytes read as (pages, LAYERS, page_size, row_bytes),
+    # so a page of one layer is one contiguous run (SGLang's layout for its direct backend).
+    layout: str = "page_first"
 
 
 def _fill_random(t, torch):
@@ -60,7 +63,7 @@ def _fill_random(t, torch):
         flat[start:start + n].copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda"))
 
 
-def make_pools(workload: str, host_slots: int, device_slots: int) -> Pools:
+def make_pools(workload: str, host_slots: int, device_slots: int, layout: str = "page_first") -> Pools:
     import torch
 
     caches, row_bytes = WORKLOADS[workload]
@@ -74,7 +77,7 @@ def make_pools(workload: str, host_slots: int, device_slots: int) -> Pools:
             _fill_random(layer, torch)
         device.append(layers)
     torch.cuda.synchronize()
-    return Pools(caches, row_bytes, host, device, host_slots, device_slots)
+    return Pools(caches, row_bytes, host, device, host_slots, device_slots, layout)
 
 
 def make_indices(tokens: int, page_size: int, host_slots: int, device_slots: int, seed: int):
@@ -133,7 +136,7 @@ def _providers(args):
 
 def check_provider(name: str) -> None:
     """ValueError for a provider name the benchmark does not know (checked before anything runs)."""
-    if name in ("ceiling", "direct", "torch-index", "per-page"):
+    if name in ("ceiling", "torch-index", "per-page") or name in DIRECT_PROVIDERS:
         return
     head = name.split("-")[0]
     try:
@@ -146,7 +149,7 @@ def check_provider(name: str) -> None:
     except (ValueError, IndexError) as exc:
         raise ValueError(f"bad provider {name!r}: {exc}") from None
     raise ValueError(f"unknown provider {name!r} (ceiling, jit[-plain|-bulk|-resident][-qN][-rR][-wW][-aA], "
-                     "upstream[-reg|-tma][-qN], direct, torch-index, per-page)")
+                     "upstream[-reg|-tma][-qN], direct[-batch3d|-2d], torch-index, per-page)")
 
 
 def family(provider: str) -> str:
@@ -169,11 +172,17 @@ def _build_or_skip(provider, skipped: set, *args):
         return None
 
 
+# The copy engines (direct.py) by submission: 'direct' as the pools call it (auto), the others forced.
+DIRECT_PROVIDERS = {"direct": "auto", "direct-batch3d": "batch3d", "direct-2d": "2d"}
+
+
 def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_idx, page_size, scratch):
     """A zero-argument callable doing one transfer with ``provider``; Unavailable if it cannot run here."""
     to_device = direction == "h2d"
     if provider.startswith("upstream"):
         up = bench_upstream.module()  # Unavailable without SGLang, before anything touches the GPU
+        if pools.layout == "page_first_direct":
+            raise Unavailable("SGLang's kernels take page_first_direct pages through its direct backend only")
         return bench_upstream.build_call(up, provider, pools, scope, to_device, layer, host_idx.cuda(),
                                          dev_idx.cuda(), page_size, LAYERS)
 
@@ -183,6 +192,13 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
 
     host_views = [buf[:, layer] for buf in pools.host]
     dev_views = [layers[layer] for layers in pools.device]
+    if pools.layout == "page_first_direct":
+        if scope == "all":
+            raise Unavailable("page_first_direct is measured one layer at a time")
+        # A layer's rows of page p start at row (p * LAYERS + layer) * page_size of the flat buffer.
+        host_views = [buf.view(-1, pools.row_bytes)[layer * page_size:] for buf in pools.host]
+        host_idx = (torch.div(host_idx, page_size, rounding_mode="floor") * (LAYERS * page_size)
+                    + host_idx % page_size)
     caches = pools.caches
     host_cuda, dev_cuda = host_idx.cuda(), dev_idx.cuda()
     n = host_idx.numel()
@@ -207,14 +223,17 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
         # drop the launch plans on every call and time their rebuild too.
         ops.set_tuning(bulk_warps=tuning.get("bulk_warps", 0), read_align=tuning.get("read_align", 0))
         return _jit_call(ops, pools, scope, to_device, host_views, dev_views, host_cuda, dev_cuda, quota, method)
-    layers = range(LAYERS) if scope == "all" else [layer]
-    pairs = [(pools.host[c][:, l], pools.device[c][l]) for l in layers for c in range(caches)]
-    if provider == "direct":  # the copy engines: one 2-D copy per run of slots, one batched call
+    if scope == "all":
+        pairs = [(pools.host[c][:, l], pools.device[c][l]) for l in range(LAYERS) for c in range(caches)]
+    else:
+        pairs = list(zip(host_views, dev_views))
+    if provider in DIRECT_PROVIDERS:  # the copy engines: one copy per run of slots, batched calls
         from . import direct
 
-        copy_pairs = [(dev, host) if to_device else (host, dev) for host, dev in pairs]
+        copy_pairs = direct.Pairs([(dev, host) if to_device else (host, dev) for host, dev in pairs])
         dst_idx, src_idx = (dev_idx, host_idx) if to_device else (host_idx, dev_idx)
-        return lambda: direct.copy_rows(copy_pairs, dst_idx, src_idx)
+        mode = DIRECT_PROVIDERS[provider]
+        return lambda: direct.copy_rows(copy_pairs, dst_idx, src_idx, mode=mode)
     if provider == "torch-index":
         if to_device:
             def call():
@@ -314,7 +333,7 @@ def run(args, records: list | None = None) -> list[dict]:
     for workload in args.workloads:
         log.info("%s: filling a %d-slot host pool and a %d-slot device pool with random bytes", workload,
                  args.host_slots, args.device_slots)
-        pools = make_pools(workload, args.host_slots, args.device_slots)
+        pools = make_pools(workload, args.host_slots, args.device_slots, args.host_layout)
         for scope in args.scopes:
             for page_size in args.page_sizes:
                 for tokens in args.tokens:
@@ -343,8 +362,8 @@ def run(args, records: list | None = None) -> list[dict]:
                             gbps = nbytes / median / 1e9
                             if provider == "ceiling":
                                 ceiling = gbps
-                            record = dict(workload=workload, scope=scope, direction=direction, page_size=page_size,
-                                          tokens=tokens, provider=provider, family=family(provider),
+                            record = dict(workload=workload, host_layout=args.host_layout, scope=scope,
+                                          direction=direction, page_size=page_size, tokens=tokens, provider=provider, family=family(provider),
                                           kernel=getattr(fn, "kernel", None), bytes=nbytes, median_s=median,
                                           min_s=min(times), max_s=max(times), reps=len(times), gbps=gbps,
                                           ratio=gbps / ceiling if ceiling else None, device=device_name)
@@ -387,7 +406,7 @@ def interference(args, records: list | None = None) -> list[dict]:
     records = [] if records is None else records  # filled as it goes: an interrupted run keeps them
     scratch, skipped = {}, set()
     for workload in args.workloads:
-        pools = make_pools(workload, args.host_slots, args.device_slots)
+        pools = make_pools(workload, args.host_slots, args.device_slots, args.host_layout)
         tokens = args.tokens[0]
         page_size = args.page_sizes[0]
         host_idx, dev_idx = make_indices(tokens, page_size, pools.host_slots, pools.device_slots, seed=1)
@@ -437,8 +456,8 @@ def interference(args, records: list | None = None) -> list[dict]:
                     torch.cuda.synchronize()
                     gemm_loaded = g0.elapsed_time(g1) / 1e3 / reps
                     loaded_gbps = count * nbytes / (t0.elapsed_time(t1) / 1e3) / 1e9
-                    record = dict(mode="interference", load=args.load, workload=workload, direction=direction,
-                                  tokens=tokens, page_size=page_size, provider=provider, family=family(provider),
+                    record = dict(mode="interference", load=args.load, workload=workload,
+                                  host_layout=args.host_layout, direction=direction, tokens=tokens, page_size=page_size, provider=provider, family=family(provider),
                                   kernel=getattr(fn, "kernel", None), priority=priority_name,
                                   transfers=count, gbps_alone=nbytes / alone / 1e9, gbps_loaded=loaded_gbps,
                                   ratio_loaded=loaded_gbps / ceiling if ceiling else None,
@@ -638,6 +657,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--providers", nargs="*", default=None,
                    help="only these providers (ceiling always runs): jit[-plain|-bulk][-qN][-wW][-aA], "
                         "upstream[-reg|-tma][-qN] (SGLang's own kernels), torch-index, per-page")
+    p.add_argument("--host-layout", default="page_first", choices=["page_first", "page_first_direct"],
+                   help="host pool layout: page_first (a layer's rows strided), or page_first_direct (a page of a "
+                        "layer contiguous: the copy engines move it as one copy; one layer only)")
     p.add_argument("--host-slots", type=int, default=512 * 1024)
     p.add_argument("--device-slots", type=int, default=256 * 1024)
     p.add_argument("--max-baseline-tokens", type=int, default=16384,

@@ -12,14 +12,18 @@ on either side skips its pair. The flow:
    fixed stride on each side, so a run is one 2-D copy (width = row bytes,
    pitch = slot stride, height = run length); when both strides equal the row
    size it is one flat copy of ``length * row`` bytes (cut at MAX_COPY_BYTES);
-4. execution: CUDA tensors -> every copy of the transfer in one
-   ``cudaMemcpy3DBatchAsync`` call (CUDA 12.8+), or one ``cudaMemcpy2DAsync``
-   per copy where the batch call is missing or host memory is pageable; CPU
-   tensors (no GPU) -> one tensor slice copy per run, so CI runs the same plan.
+4. execution: CUDA tensors -> the flat copies (packed runs: a page of a
+   ``page_first_direct`` or ``layer_first`` layer, consecutive pages merged)
+   in one driver ``cuMemcpyBatchAsync`` call, and the strided ones (rows of a
+   ``page_first`` layer) in one ``cudaMemcpy3DBatchAsync`` call (CUDA 12.8+);
+   one ``cudaMemcpy2DAsync`` per copy where the batch calls are missing, host
+   memory is pageable, or the stream is being captured into a CUDA graph.
+   CPU tensors (no GPU) -> one tensor slice copy per run, so CI runs the same
+   plan.
 
-The CUDA runtime is the ``libcudart`` torch already loaded, called through
-ctypes on the current stream of the tensors' device. Steps 1-3 are pure
-functions, testable without a GPU.
+The CUDA runtime is the ``libcudart`` torch already loaded, and the driver
+``libcuda``, both called through ctypes on the current stream of the
+tensors' device. Steps 1-3 are pure functions, testable without a GPU.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ from .ops import check_index_tensor
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "batch", "2d")
+# 'batch': flat copies through the driver's batch call, strided ones through the runtime's 3-D one;
+# 'batch3d': everything through the 3-D call (the path before the driver call, kept as a same-run
+# baseline); '2d': one cudaMemcpy2DAsync per copy; 'auto': 'batch' where it can run.
+MODES = ("auto", "batch", "batch3d", "2d")
 # Copies per cudaMemcpy3DBatchAsync call. The API documents no limit; chunking
 # bounds the descriptor array (112 B per copy) and keeps one call's CPU time short.
 MAX_BATCH_OPS = 8192
@@ -47,6 +54,7 @@ MAX_BATCH_OPS = 8192
 # current GPUs), so longer runs are cut into pieces of at most this size.
 MAX_COPY_BYTES = 1 << 30
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (UVA)
+_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read the source in stream order
 _OPERAND_TYPE_POINTER = 1  # cudaMemcpyOperandTypePointer
 
@@ -259,6 +267,13 @@ class Memcpy3DBatchOp(ctypes.Structure):
                 ("srcAccessOrder", ctypes.c_int), ("flags", ctypes.c_uint)]
 
 
+class MemcpyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes`` (cuda.h, CUDA 12.8+); the location hints only matter for managed memory."""
+
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
+                ("flags", ctypes.c_uint)]
+
+
 def _descriptor_layout() -> dict:
     """Byte offsets of the fields describe_copies fills, from the ctypes structs above."""
     ptr = Memcpy3DOperand.op.offset + _OperandUnion.ptr.offset
@@ -415,9 +430,70 @@ class CudaRuntime:
         self.check(self.lib.cudaHostUnregister(ptr), "cudaHostUnregister")
 
 
+class DriverBatchError(RuntimeError):
+    """The driver's batch call returned an error."""
+
+
+class DriverBatch:
+    """``cuMemcpyBatchAsync`` of the CUDA driver: many flat copies in one call.
+
+    A flat copy costs the copy engines far less in this call than as a
+    descriptor of ``cudaMemcpy3DBatchAsync`` (measured on the H200: about 0.3-0.8
+    against 4.3 us per copy; docs/BENCHMARKS.md), which is what lets a batch of
+    64-token pages keep the link. CUDA 13's cuda.h maps the name to the symbol
+    ``cuMemcpyBatchAsync_v2``, which dropped the ``failIdx`` out-parameter that
+    the 12.8-12.9 symbol ``cuMemcpyBatchAsync`` takes; the two cannot be called
+    with each other's arguments, so the symbol found decides the arguments.
+    """
+
+    def __init__(self, lib=None):
+        self.lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        self.lib.cuDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        self.version = version.value if self.lib.cuDriverGetVersion(ctypes.byref(version)) == 0 else 0
+        self._call, self._takes_fail_idx = None, False
+        newer = getattr(self.lib, "cuMemcpyBatchAsync_v2", None) if self.version >= 13000 else None
+        if newer is not None:
+            self._call = newer
+        elif self.version >= 12080:
+            self._call, self._takes_fail_idx = getattr(self.lib, "cuMemcpyBatchAsync", None), True
+        if self._call is not None:
+            ptr, size_t = ctypes.c_void_p, ctypes.c_size_t
+            self._call.argtypes = ([ptr, ptr, ptr, size_t, ptr, ptr, size_t] + ([ptr] if self._takes_fail_idx else [])
+                                   + [ptr])
+            self._call.restype = ctypes.c_int
+        # One set of attributes for every copy: read the source in stream order.
+        self._attributes = MemcpyAttributes(srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        self._first_copy = (ctypes.c_size_t * 1)(0)
+        self.lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+
+    @property
+    def available(self) -> bool:
+        return self._call is not None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, sizes: torch.Tensor, stream: int) -> None:
+        """``sizes[i]`` bytes from ``src[i]`` to ``dst[i]`` (contiguous CPU int64 tensors), in calls of at
+        most MAX_BATCH_OPS copies; the driver reads the arrays during the call."""
+        fail_idx = ctypes.c_size_t(0)
+        for first in range(0, dst.numel(), MAX_BATCH_OPS):
+            count = min(MAX_BATCH_OPS, dst.numel() - first)
+            args = [dst.data_ptr() + 8 * first, src.data_ptr() + 8 * first, sizes.data_ptr() + 8 * first, count,
+                    ctypes.addressof(self._attributes), ctypes.addressof(self._first_copy), 1]
+            if self._takes_fail_idx:
+                args.append(ctypes.addressof(fail_idx))
+            code = self._call(*args, stream)
+            if code:
+                text = ctypes.c_char_p()
+                self.lib.cuGetErrorString(code, ctypes.byref(text))
+                raise DriverBatchError(f"cuMemcpyBatchAsync({count} copies) failed: "
+                                   f"{(text.value or b'unknown error').decode(errors='replace')} (CUresult {code})")
+
+
 _runtime: CudaRuntime | None = None
 _runtime_lock = threading.Lock()
 _batch_failure: str | None = None  # why the batch call was given up in this process, if it was
+_driver: DriverBatch | None = None
+_driver_failure: str | None = None  # why the driver's batch call was given up, if it was
 _null_stream_helpers: dict[int, torch.cuda.Stream] = {}
 
 
@@ -430,15 +506,36 @@ def cuda_runtime() -> CudaRuntime:
     return _runtime
 
 
+def driver_batch() -> DriverBatch | None:
+    """The driver's batch call, or None where the driver lacks it (before CUDA 12.8) or it failed here."""
+    global _driver, _driver_failure
+    if _driver is None and _driver_failure is None:
+        with _runtime_lock:
+            if _driver is None and _driver_failure is None:
+                try:
+                    _driver = DriverBatch()
+                except (OSError, AttributeError) as exc:  # no libcuda, or a driver without these entry points
+                    _driver_failure = f"{type(exc).__name__}: {exc}"
+                else:
+                    if not _driver.available:
+                        _driver_failure = f"the CUDA driver ({_driver.version}) has no cuMemcpyBatchAsync (12.8+)"
+                if _driver_failure:
+                    log.info("flat copies go through cudaMemcpy3DBatchAsync: %s", _driver_failure)
+    return None if _driver_failure else _driver
+
+
 def batch_status() -> tuple[bool, str]:
-    """Whether CUDA copies go out as one batched call, and why not."""
+    """Whether CUDA copies go out as batched calls, which, and why not."""
     runtime = cuda_runtime()
     if not runtime.has_batch:
         return False, (f"cudaMemcpy3DBatchAsync needs CUDA 12.8 or newer; torch's runtime is "
                        f"{runtime.version // 1000}.{runtime.version % 1000 // 10}: one cudaMemcpy2DAsync per run")
     if _batch_failure:
         return False, f"cudaMemcpy3DBatchAsync failed earlier in this process ({_batch_failure}); using 2-D copies"
-    return True, f"cudaMemcpy3DBatchAsync (CUDA runtime {runtime.version}): one call per transfer"
+    flat = ("flat copies in one cuMemcpyBatchAsync call" if driver_batch() is not None
+            else f"flat copies in cudaMemcpy3DBatchAsync too ({_driver_failure})")
+    return True, (f"cudaMemcpy3DBatchAsync (CUDA runtime {runtime.version}) for strided copies, {flat}: "
+                  "one call each per transfer; one cudaMemcpy2DAsync per copy while a CUDA graph is captured")
 
 
 # ---------------------------------------------------------------------------
@@ -448,11 +545,13 @@ def copy_rows(pairs, indices_dst, indices_src, *, mode: str = "auto") -> str:
     """Copies ``src[indices_src[i]] -> dst[indices_dst[i]]`` for every pair.
 
     ``pairs`` is a Pairs (or a list of (dst, src) tensors). ``mode`` picks the
-    CUDA submission: 'batch' (one cudaMemcpy3DBatchAsync per transfer), '2d'
-    (one cudaMemcpy2DAsync per run and pair) or 'auto' (batch where the
-    runtime has it and host memory is pinned). Returns what ran: 'batch',
-    '2d', or 'torch' (CPU tensors: slice copies). Asynchronous on the
-    current stream for CUDA.
+    CUDA submission (see MODES): 'batch' (flat copies in one driver
+    cuMemcpyBatchAsync call, strided ones in one cudaMemcpy3DBatchAsync call),
+    'batch3d' (all in the 3-D call), '2d' (one cudaMemcpy2DAsync per run and
+    pair) or 'auto' ('batch' where the calls exist, host memory is pinned and
+    the stream is not being captured). Returns what ran: 'batch', 'batch3d',
+    '2d', or 'torch' (CPU tensors: slice copies). Asynchronous on the current
+    stream for CUDA.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -472,51 +571,77 @@ def _copy_on_cpu(pairs: Pairs, runs: Runs) -> None:
             dst.tensor[d:d + n].copy_(src.tensor[s:s + n])
 
 
-def _copy_on_gpu(pairs: Pairs, runs: Runs, mode: str) -> str:
-    global _batch_failure
+def _copy_on_gpu(pairs: Pairs, runs: Runs, requested: str) -> str:
+    global _batch_failure, _driver_failure
     runtime = cuda_runtime()
-    use_batch = mode == "batch" or (mode == "auto" and runtime.has_batch and not _batch_failure
-                                    and not pairs.pageable)
-    if mode == "batch" and not runtime.has_batch:
-        raise RuntimeError(batch_status()[1])
-    if not len(runs):
-        return "batch" if use_batch else "2d"
-    if bool(pairs.packed.any()):
-        runs = split_runs(runs, max(1, MAX_COPY_BYTES // int(pairs.row_bytes.max())))
-    words = describe_copies(pairs, runs)
     device = pairs.device
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device)
-        if not use_batch:
+        if requested in ("batch", "batch3d") and not runtime.has_batch:
+            raise RuntimeError(batch_status()[1])
+        mode = requested
+        # Batched copies are not captured into CUDA graphs here (the batch calls could not be captured
+        # before CUDA 13): a capture records one 2-D copy per run, which replays like any other copy.
+        if torch.cuda.is_current_stream_capturing():
+            if requested != "auto" and requested != "2d":
+                raise RuntimeError(f"mode={requested!r} cannot run while a CUDA graph is captured; use 'auto' or "
+                                   "'2d'")
+            mode = "2d"
+        elif mode == "auto":
+            mode = "batch" if runtime.has_batch and not _batch_failure and not pairs.pageable else "2d"
+        if not len(runs):
+            return mode
+        if bool(pairs.packed.any()):
+            runs = split_runs(runs, max(1, MAX_COPY_BYTES // int(pairs.row_bytes.max())))
+        words = describe_copies(pairs, runs)
+        if mode == "2d":
             runtime.memcpy_2d(words, stream.cuda_stream)
             return "2d"
+        driver = driver_batch() if mode == "batch" else None
+        flat = pairs.packed.repeat_interleave(len(runs)) if driver is not None else None
         try:
-            _batch_on(runtime, words, stream, device)
-            return "batch"
+            try:
+                _batch_on(runtime, driver, words, flat, stream, device)
+            except DriverBatchError as exc:
+                if requested == "batch":
+                    raise
+                # Keep transfers working: flat copies go through the 3-D call from now on; say so once.
+                # The copies are idempotent, so redoing any the failed call did enqueue is safe.
+                _driver_failure = str(exc)
+                log.warning("%s; flat copies go through cudaMemcpy3DBatchAsync from now on", exc)
+                _batch_on(runtime, None, words, None, stream, device)
+            return mode
         except RuntimeError as exc:
-            if mode == "batch":
+            if requested != "auto":
                 raise
-            # Keep transfers working: fall back for the rest of the process and say so once.
-            # The copies are idempotent, so redoing any a failed batch did enqueue is safe.
             _batch_failure = str(exc)
-            log.warning("cudaMemcpy3DBatchAsync failed (%s); the direct path uses one cudaMemcpy2DAsync per run "
-                        "from now on", exc)
+            log.warning("%s; the direct path uses one cudaMemcpy2DAsync per run from now on", exc)
             runtime.memcpy_2d(words, stream.cuda_stream)
             return "2d"
 
 
-def _batch_on(runtime: CudaRuntime, words: torch.Tensor, stream, device: int) -> None:
+def _batch_on(runtime: CudaRuntime, driver, words: torch.Tensor, flat, stream, device: int) -> None:
+    """The copies of one transfer, batched: those ``flat`` marks through the driver's call, the rest
+    through cudaMemcpy3DBatchAsync."""
     # One batch on one stream: spreading it over several streams does not help
-    # (measured: ~4.3 us of copy-engine time per copy whatever the stream count;
+    # (measured: ~4.3 us of copy-engine time per 3-D copy whatever the stream count;
     # docs/host_pool.md).
-    if stream.cuda_stream:
-        runtime.memcpy_batch(words, stream.cuda_stream)
-        return
-    # The batch API refuses the legacy NULL stream: run on a helper stream
-    # fenced on both sides, so the copies stay ordered with the caller's work.
-    helper = _null_stream_helpers.get(device)
-    if helper is None:
-        helper = _null_stream_helpers[device] = torch.cuda.Stream(device)
-    helper.wait_stream(stream)
-    runtime.memcpy_batch(words, helper.cuda_stream)
-    stream.wait_stream(helper)
+    target = stream
+    if not stream.cuda_stream:
+        # The batch calls refuse the legacy NULL stream: run on a helper stream
+        # fenced on both sides, so the copies stay ordered with the caller's work.
+        target = _null_stream_helpers.get(device)
+        if target is None:
+            target = _null_stream_helpers[device] = torch.cuda.Stream(device)
+        target.wait_stream(stream)
+    try:
+        if flat is not None and bool(flat.any()):
+            flat_words = words[flat]
+            driver.copy(flat_words[:, _word("dst.ptr")].contiguous(), flat_words[:, _word("src.ptr")].contiguous(),
+                        flat_words[:, _word("extent.width")].contiguous(), target.cuda_stream)
+            words = words[~flat].contiguous()
+        if words.shape[0]:
+            runtime.memcpy_batch(words, target.cuda_stream)
+    finally:
+        if target is not stream:
+            stream.wait_stream(target)

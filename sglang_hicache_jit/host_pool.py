@@ -176,8 +176,8 @@ class HostKVPool:
         self._device_sides: dict[int, tuple[object, _DeviceSide]] = {}
         self._device_side(device_pool)               # validates the owned layers once
         self._host_table = None
-        self.direct_mode = "auto"      # how the direct path submits CUDA copies: 'auto', 'batch' or '2d'
-        self.last_direct_mode = None   # what the last direct transfer ran: 'batch', '2d' or 'torch'
+        self.direct_mode = "auto"      # how the direct path submits CUDA copies: direct.MODES
+        self.last_direct_mode = None   # what the last direct transfer ran: 'batch', 'batch3d', '2d' or 'torch'
         self.transfer_path, self.transfer_path_reason = self._choose_path(first)
         _log_choice_once(self.transfer_path, self.transfer_path_reason)
         self.allocator = SlotAllocator(self.size, self.page_size)

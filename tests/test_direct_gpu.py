@@ -1,9 +1,10 @@
 """The direct (copy-engine) path on a real GPU (marked ``gpu``).
 
 Every test compares the whole destination with a reference built by plain
-indexing, so rows nobody addressed must come out untouched, for both
-submission modes: one cudaMemcpy3DBatchAsync per transfer and one
-cudaMemcpy2DAsync per run.
+indexing, so rows nobody addressed must come out untouched, for every
+submission mode: 'batch' (flat copies through the driver's cuMemcpyBatchAsync,
+strided ones through cudaMemcpy3DBatchAsync), 'batch3d' (all through the 3-D
+call) and '2d' (one cudaMemcpy2DAsync per run).
 """
 
 import logging
@@ -16,7 +17,7 @@ from sglang_hicache_jit.errors import TransferIndexError
 
 pytestmark = pytest.mark.gpu
 
-MODES = ["batch", "2d"]
+MODES = ["batch", "batch3d", "2d"]
 
 
 def _bytes(shape, device="cpu", gen=None, pin=False):
@@ -39,13 +40,16 @@ def _page_indices(pages, total_slots, page, gen, sort):
     return (chosen[:, None] * page + torch.arange(page)).reshape(-1)
 
 
-def test_batch_call_is_available_with_this_runtime():
+def test_batch_calls_are_available_with_this_runtime_and_driver():
     ok, why = direct.batch_status()
     runtime = direct.cuda_runtime()
     if runtime.version >= 12080:
         assert ok, why
     else:
         assert not ok and "12.8" in why
+    if runtime.version >= 12080:  # a driver runs runtimes no newer than itself
+        assert direct.driver_batch() is not None, why
+        assert "cuMemcpyBatchAsync" in why
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -111,9 +115,10 @@ def test_more_copies_than_one_batch_call_takes():
     h = torch.randperm(2 * n, generator=gen)[:n]  # single-row runs: one copy each
     d = torch.arange(n).flip(0)
     expected = _reference(dev, d, host, h)
-    assert direct.copy_rows([(dev, host)], d, h, mode="batch") == "batch"
-    torch.cuda.synchronize()
-    assert torch.equal(dev.cpu(), expected)
+    for mode in ("batch", "batch3d"):
+        assert direct.copy_rows([(dev, host)], d, h, mode=mode) == mode
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), expected)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -156,22 +161,64 @@ def test_out_of_range_indices_raise_before_copying():
     assert direct.copy_rows([(dev, host)], torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))
 
 
-def test_a_failing_batch_call_falls_back_once_and_batch_mode_raises(monkeypatch, caplog):
+def test_a_failing_3d_call_falls_back_once_and_explicit_modes_raise(monkeypatch, caplog):
     runtime = direct.cuda_runtime()
     monkeypatch.setattr(runtime, "_batch", lambda *args: 1)  # cudaErrorInvalidValue
     monkeypatch.setattr(direct, "_batch_failure", None)
     dev = torch.zeros((64, 16), dtype=torch.uint8, device="cuda")
+    host = torch.arange(64 * 32, dtype=torch.int64).to(torch.uint8).view(64, 2, 16).pin_memory()
+    layer = host[:, 1]  # strided rows: the 3-D call's copies
+    idx = torch.arange(8, 24)
+    for mode in ("batch", "batch3d"):
+        with pytest.raises(RuntimeError, match="cudaMemcpy3DBatchAsync"):
+            direct.copy_rows([(dev, layer)], idx, idx, mode=mode)
+    with caplog.at_level(logging.WARNING, logger="sglang_hicache_jit.direct"):
+        assert direct.copy_rows([(dev, layer)], idx, idx) == "2d"
+        assert direct.copy_rows([(dev, layer)], idx, idx) == "2d"
+    torch.cuda.synchronize()
+    assert torch.equal(dev[8:24].cpu(), layer[8:24]) and not dev[:8].any() and not dev[24:].any()
+    assert len([r for r in caplog.records if "cudaMemcpy3DBatchAsync" in r.getMessage()]) == 1
+    assert not direct.batch_status()[0]
+
+
+def test_a_failing_driver_call_falls_back_once_to_the_3d_call(monkeypatch, caplog):
+    driver = direct.driver_batch()
+    if driver is None:
+        pytest.skip(f"this driver has no cuMemcpyBatchAsync: {direct.batch_status()[1]}")
+    monkeypatch.setattr(driver, "_call", lambda *args: 1)  # CUDA_ERROR_INVALID_VALUE
+    monkeypatch.setattr(direct, "_driver_failure", None)
+    dev = torch.zeros((64, 16), dtype=torch.uint8, device="cuda")
     host = torch.arange(64 * 16, dtype=torch.int64).to(torch.uint8).view(64, 16).pin_memory()
     idx = torch.arange(8, 24)
-    with pytest.raises(RuntimeError, match="cudaMemcpy3DBatchAsync"):
+    with pytest.raises(direct.DriverBatchError, match="cuMemcpyBatchAsync"):
         direct.copy_rows([(dev, host)], idx, idx, mode="batch")
     with caplog.at_level(logging.WARNING, logger="sglang_hicache_jit.direct"):
-        assert direct.copy_rows([(dev, host)], idx, idx) == "2d"
-        assert direct.copy_rows([(dev, host)], idx, idx) == "2d"
+        assert direct.copy_rows([(dev, host)], idx, idx) == "batch"
+        assert direct.copy_rows([(dev, host)], idx, idx) == "batch"
     torch.cuda.synchronize()
     assert torch.equal(dev[8:24].cpu(), host[8:24]) and not dev[:8].any() and not dev[24:].any()
-    assert len([r for r in caplog.records if "cudaMemcpy3DBatchAsync failed" in r.getMessage()]) == 1
-    assert not direct.batch_status()[0]
+    assert len([r for r in caplog.records if "cuMemcpyBatchAsync" in r.getMessage()]) == 1
+    assert direct.driver_batch() is None and "flat copies in cudaMemcpy3DBatchAsync too" in direct.batch_status()[1]
+
+
+def test_a_captured_graph_records_2d_copies_and_replays_them():
+    gen = torch.Generator().manual_seed(8)
+    host = _bytes((256, 2, 64), gen=gen, pin=True)
+    dev = torch.zeros((256, 64), dtype=torch.uint8, device="cuda")
+    flat_host = _bytes((256, 64), gen=gen, pin=True)
+    flat_dev = torch.zeros((256, 64), dtype=torch.uint8, device="cuda")
+    d, h = torch.randperm(256, generator=gen)[:64], torch.randperm(256, generator=gen)[:64]
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=stream):
+        assert direct.copy_rows([(dev, host[:, 1])], d, h) == "2d"
+        assert direct.copy_rows([(flat_dev, flat_host)], d, h) == "2d"
+        with pytest.raises(RuntimeError, match="captured"):
+            direct.copy_rows([(flat_dev, flat_host)], d, h, mode="batch")
+    assert not dev.any() and not flat_dev.any()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), _reference(torch.zeros_like(dev), d, host[:, 1], h))
+    assert torch.equal(flat_dev.cpu(), _reference(torch.zeros_like(flat_dev), d, flat_host, h))
 
 
 @pytest.mark.parametrize("mode", MODES)

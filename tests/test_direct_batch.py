@@ -1,0 +1,103 @@
+"""The direct path's batched submission without a GPU: what reaches the driver's cuMemcpyBatchAsync (both
+of its ABIs) and the runtime's cudaMemcpy3DBatchAsync, from a stand-in driver that records every call."""
+
+import ctypes
+
+import pytest
+import torch
+
+from sglang_hicache_jit import direct
+
+
+class FakeDriver:
+    """libcuda with the entry points DriverBatch uses; copies are recorded, not made."""
+
+    def __init__(self, version: int, v2: bool, fail_with: int = 0):
+        self.version, self.calls, self.fail_with = version, [], fail_with
+        # Plain functions, not methods: DriverBatch sets argtypes on them as on ctypes functions.
+        if v2:
+            self.cuMemcpyBatchAsync_v2 = lambda *args: self._batch(args, fail_idx=False)
+        self.cuMemcpyBatchAsync = lambda *args: self._batch(args, fail_idx=True)
+        self.cuDriverGetVersion = lambda ref: setattr(ref._obj, "value", self.version) or 0
+        self.cuGetErrorString = lambda code, ref: setattr(ref._obj, "value", b"invalid argument") or 0
+
+    def _batch(self, args, fail_idx):
+        dsts, srcs, sizes, count, attrs, attr_idx, num_attrs = args[:7]
+        assert len(args) == (9 if fail_idx else 8)
+        read = lambda address: [ctypes.cast(address, ctypes.POINTER(ctypes.c_int64))[i] for i in range(count)]  # noqa
+        attributes = direct.MemcpyAttributes.from_address(attrs)
+        self.calls.append({"dst": read(dsts), "src": read(srcs), "size": read(sizes), "stream": args[-1],
+                           "order": attributes.srcAccessOrder, "flags": attributes.flags,
+                           "first": ctypes.c_size_t.from_address(attr_idx).value, "attrs": num_attrs,
+                           "fail_idx": fail_idx})
+        return self.fail_with
+
+
+@pytest.mark.parametrize("version, v2, abi", [(13000, True, "v2"), (12080, False, "12.8"), (13010, False, "12.8")])
+def test_the_symbol_found_decides_the_arguments(version, v2, abi):
+    driver = direct.DriverBatch(FakeDriver(version, v2))
+    assert driver.available
+    dst, src, size = (torch.tensor(v, dtype=torch.int64) for v in ([1 << 40, 2 << 40], [4096, 8192], [72, 144]))
+    driver.copy(dst, src, size, stream=77)
+    call, = driver.lib.calls
+    assert call["fail_idx"] is (abi == "12.8")
+    assert (call["dst"], call["src"], call["size"], call["stream"]) == ([1 << 40, 2 << 40], [4096, 8192], [72, 144], 77)
+    assert (call["order"], call["flags"], call["first"], call["attrs"]) == (1, 0, 0, 1)  # stream order, one set
+
+
+def test_a_driver_without_the_call_is_not_available():
+    assert not direct.DriverBatch(FakeDriver(12060, v2=False)).available
+
+
+def test_more_copies_than_one_call_takes_go_out_in_chunks(monkeypatch):
+    monkeypatch.setattr(direct, "MAX_BATCH_OPS", 3)
+    driver = direct.DriverBatch(FakeDriver(13000, True))
+    values = torch.arange(8, dtype=torch.int64)
+    driver.copy(values * 1000, values * 10, values + 1, stream=5)
+    assert [c["dst"] for c in driver.lib.calls] == [[0, 1000, 2000], [3000, 4000, 5000], [6000, 7000]]
+    assert [c["size"] for c in driver.lib.calls] == [[1, 2, 3], [4, 5, 6], [7, 8]]
+
+
+def test_a_failing_call_raises_with_the_driver_s_words():
+    driver = direct.DriverBatch(FakeDriver(13000, True, fail_with=1))
+    one = torch.ones(1, dtype=torch.int64)
+    with pytest.raises(direct.DriverBatchError, match=r"cuMemcpyBatchAsync\(1 copies\) failed: invalid argument"):
+        driver.copy(one, one, one, stream=5)
+
+
+class FakeRuntime:
+    def __init__(self):
+        self.batches = []
+
+    def memcpy_batch(self, words, stream):
+        self.batches.append((words.clone(), stream))
+
+
+class FakeStream:
+    cuda_stream = 99
+
+
+def test_flat_copies_go_to_the_driver_and_strided_ones_to_the_3d_call():
+    """A page_first_direct-like packed pair (flat pages) and a page_first-like strided pair in one transfer."""
+    row = 1152
+    packed = (direct.Rows.at(1 << 40, row, row, 0), direct.Rows.at(1 << 41, row, row, 0))
+    strided = (direct.Rows.at(1 << 42, row, row, 0), direct.Rows.at(1 << 43, 8 * row, row, 0))
+    pairs = direct.Pairs([packed, strided])
+    runs = direct.find_runs(torch.tensor([0, 1, 2, 10, 11]), torch.tensor([64, 65, 66, 128, 129]))
+    words = direct.describe_copies(pairs, runs)
+    driver, runtime = direct.DriverBatch(FakeDriver(13000, True)), FakeRuntime()
+    direct._batch_on(runtime, driver, words, pairs.packed.repeat_interleave(len(runs)), FakeStream(), 0)
+    call, = driver.lib.calls
+    assert call["dst"] == [(1 << 40) + 0 * row, (1 << 40) + 10 * row]
+    assert call["src"] == [(1 << 41) + 64 * row, (1 << 41) + 128 * row]
+    assert call["size"] == [3 * row, 2 * row] and call["stream"] == 99
+    (strided_words, stream), = runtime.batches
+    assert stream == 99 and torch.equal(strided_words, words[2:])  # the strided pair's two runs, as 3-D copies
+
+
+def test_without_the_driver_every_copy_goes_to_the_3d_call():
+    pairs = direct.Pairs([(direct.Rows.at(1 << 40, 64, 64, 0), direct.Rows.at(1 << 41, 64, 64, 0))])
+    words = direct.describe_copies(pairs, direct.find_runs(torch.arange(4), torch.arange(4)))
+    runtime = FakeRuntime()
+    direct._batch_on(runtime, None, words, None, FakeStream(), 0)
+    assert torch.equal(runtime.batches[0][0], words)
