@@ -85,7 +85,7 @@ def test_an_unavailable_provider_is_skipped_with_one_line_and_the_run_goes_on(mo
     real_build = benchmark.build_call
     monkeypatch.setattr(benchmark, "build_call", lambda provider, *a: real_build(provider, *a)
                         if provider.startswith("upstream") else (lambda: None))
-    monkeypatch.setattr(benchmark, "make_pools", lambda w, h, d: benchmark.Pools(1, 576, [], [], h, d))
+    monkeypatch.setattr(benchmark, "make_pools", lambda w, h, d, layout: benchmark.Pools(1, 576, [], [], h, d, layout))
     monkeypatch.setattr(benchmark, "make_indices", lambda *a, **k: (None, None))
     monkeypatch.setattr(benchmark, "time_call", lambda fn: [1e-3, 2e-3, 3e-3])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
