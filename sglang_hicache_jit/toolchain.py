@@ -185,8 +185,23 @@ def find_ninja() -> str | None:
         return None
 
 
+def tool_env(tmp: Path) -> dict:
+    """The environment for a toolchain program, with ``tmp`` (a directory private to this user) as its
+    temporary directory. nvcc puts ``tmpxft_<pid>_00000000*`` files in $TMPDIR, even for ``--version``,
+    and deletes every file of its prefix there when it exits; the other tools (cudafe, cicc, ptxas,
+    fatbinary, the host compiler) read TMPDIR too, some TMP or TEMP. In the shared /tmp another user
+    could plant a file the compile reads back, or a symlink it writes through (issue 18, H1 and D1)."""
+    env = dict(os.environ)
+    for name in ("TMPDIR", "TMP", "TEMP"):
+        env[name] = str(tmp)
+    return env
+
+
 def _run(cmd: list[str]) -> str:
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="sglang-hicache-jit-") as tmp:  # random name, mode 0700
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=tool_env(Path(tmp)))
     if result.returncode != 0:
         raise OSError(f"{' '.join(cmd)} exited with {result.returncode}: {result.stderr.strip()[:500]}")
     return result.stdout

@@ -4,12 +4,16 @@ import hashlib
 import io
 import json
 import os
+import re
+import stat
+import subprocess
 import tarfile
+from pathlib import Path
 
 import pytest
 
-from adversarial_helpers import NOBODY, as_user, chown_tree, cli_env, needs_root, public_tmp  # noqa: F401
-from fleet_helpers import entry_dirs, fake_entry, snapshot
+from adversarial_helpers import NOBODY, as_user, chown_tree, cli_env, make_user, needs_root, public_tmp  # noqa: F401
+from fleet_helpers import cli, entry_dirs, env_for, fake_entry, snapshot
 from sglang_hicache_jit import loader
 from sglang_hicache_jit.arch import parse_arch_list
 from sglang_hicache_jit.bundle import export_bundle, import_bundle
@@ -236,3 +240,116 @@ def test_group_writable_layer_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_HICACHE_JIT_PREBUILT_DIRS", str(layer))
     with pytest.raises(UnsafeCacheError, match="writable by its group"):
         ensure_built(ARCHS, build=False)
+
+
+# ---- issue 18, H1 and D1: nvcc's intermediate files ---------------------------------------------------
+# nvcc wrote its intermediates to $TMPDIR (the shared /tmp) under predictable names
+# (tmpxft_<pid>_00000000-6_hicache_transfer.cudafe1.cpp, ...-8_hicache_resident.cubin). Another user
+# could plant a file there (0666) and edit it between cudafe's write and the host compiler's read (code
+# in the victim's library), or a symlink that the victim's ptxas wrote through (data loss).
+
+@pytest.mark.build
+def test_h1_every_compiler_step_keeps_its_temporary_files_in_the_private_staging_dir(tmp_path, monkeypatch):
+    from sglang_hicache_jit import build
+    from sglang_hicache_jit.errors import BuildFailedError
+    from sglang_hicache_jit.toolchain import check_build_tools
+
+    spec = BuildSpec.for_archs(ARCHS)
+    tools = check_build_tools(spec.archs)
+    staging = tmp_path / "staging"
+    staging.mkdir(mode=0o700)
+    seen = {}
+
+    def capture(args, log, env, cwd, what):  # the command lines and environment the compile child gets
+        seen.update(env=env, request=json.loads(Path(args[2]).read_text()))
+        return 1
+
+    monkeypatch.setattr(build, "_run_compiler", capture)
+    for name in ("TMPDIR", "TMP", "TEMP"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(BuildFailedError):
+        build.compile_entry(spec, spec.key(tools.toolkit.identity), tools, staging)
+    env, request = seen["env"], seen["request"]
+    private = Path(env["TMPDIR"])
+    assert private.parent == staging and stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert env["TMP"] == env["TEMP"] == env["TMPDIR"]  # the host compiler and its helpers read these
+    nvcc_steps = [step for step in request["steps"] if step["input"].endswith(".cu")]
+    assert len(nvcc_steps) == 2
+    for step in nvcc_steps:  # nvcc --dryrun lists every intermediate of cudafe, cicc, ptxas and fatbinary
+        out = subprocess.run(step["command"] + ["--dryrun"], env=env, cwd=request["build_dir"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        intermediates = {p for p in re.findall(r"(/[^\s\"',=]*tmpxft_[^\s\"',]*)", out.stderr)}
+        assert intermediates, out.stderr[-2000:]
+        outside = sorted(p for p in intermediates if not p.startswith(str(private) + "/"))
+        assert outside == [], f"written outside the private staging directory: {outside}"
+
+
+def test_h1_the_toolchain_checks_run_nvcc_with_a_private_tmpdir(monkeypatch):
+    """`nvcc --version` and `--list-gpu-arch` (before every build, and in doctor) write
+    tmpxft_<pid>_00000000 into $TMPDIR and delete every file of that prefix there."""
+    from sglang_hicache_jit import toolchain
+
+    seen = []
+
+    def run(cmd, **kwargs):
+        tmp = Path(kwargs["env"]["TMPDIR"])
+        seen.append((tmp, stat.S_IMODE(tmp.stat().st_mode), kwargs["env"]["TMP"], kwargs["env"]["TEMP"]))
+        return subprocess.CompletedProcess(cmd, 0, "release 13.0, V13.0.88\n", "")
+
+    monkeypatch.setattr(toolchain.subprocess, "run", run)
+    monkeypatch.setenv("TMPDIR", "/tmp")
+    toolchain._run(["nvcc", "--version"])
+    toolchain._run(["nvcc", "--version"])
+    (first, mode, tmp, temp), (second, *_) = seen
+    assert first != second and str(first).startswith("/tmp/sglang-hicache-jit-") and mode == 0o700
+    assert tmp == temp == str(first) and not first.exists()  # a fresh private directory per run, removed after
+
+
+_PLANT = """
+import os, sys
+first, count, target = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+for pid in range(first, first + count):
+    for source in ("hicache_transfer", "hicache_resident"):
+        stem = f"/tmp/tmpxft_{pid:08x}_00000000"
+        fd = os.open(f"{stem}-6_{source}.cudafe1.cpp", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        os.fchmod(fd, 0o666)
+        os.close(fd)
+        os.symlink(target, f"{stem}-8_{source}.cubin")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.build
+def test_h1_d1_files_planted_in_tmp_by_another_user_are_never_read_or_written(tmp_path, make_user):
+    attacker = make_user("attacker")
+    victim_file = tmp_path / "private" / "notes"  # one of the victim's own 0600 files
+    victim_file.parent.mkdir(mode=0o700)
+    victim_file.write_bytes(b"the victim's data\n")
+    os.chmod(victim_file, 0o600)
+    before = set(os.listdir("/tmp"))
+    first = int(Path("/proc/sys/kernel/ns_last_pid").read_text()) + 1
+    count = 3000  # pids are handed out in order: the build's nvcc processes start within a few dozen of these
+    planted = []
+    try:
+        out = as_user(attacker, "-c", _PLANT, str(first), str(count), str(victim_file), env=dict(os.environ))
+        planted = sorted(set(os.listdir("/tmp")) - before)
+        assert out.returncode == 0 and len(planted) == 4 * count, out.stderr[-2000:]
+        env = env_for(tmp_path / "cache")
+        for name in ("TMPDIR", "TMP", "TEMP"):
+            env.pop(name, None)
+        built = cli("prewarm", "--arch", "9.0", env=env, timeout=600)
+        assert built.returncode == 0, built.stdout + built.stderr
+        assert victim_file.read_bytes() == b"the victim's data\n", "ptxas wrote through a planted symlink"
+        gone = [name for name in planted if not os.path.lexists(f"/tmp/{name}")]
+        assert gone == [], f"the build removed files another user owns: {gone[:4]}"
+        written = [name for name in planted if name.endswith(".cpp") and os.lstat(f"/tmp/{name}").st_size]
+        assert written == [], f"the build wrote into files another user planted: {written[:4]}"
+        leftovers = sorted(name for name in set(os.listdir("/tmp")) - before - set(planted) if "tmpxft" in name)
+        assert leftovers == [], f"the build left intermediates in /tmp: {leftovers[:4]}"
+    finally:
+        for name in planted:
+            try:
+                os.unlink(f"/tmp/{name}")
+            except OSError:
+                pass
