@@ -64,17 +64,17 @@ except OSError as exc:
 _runs_here: dict = {}
 
 
-def skip_unless_user_can_run_here(uid: int) -> None:
-    """Skips the test, saying why, when ``uid`` cannot read this checkout or interpreter's files."""
-    if uid not in _runs_here:
-        out = subprocess.run([sys.executable, "-c", _CAN_RUN, str(uid)], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+def skip_unless_user_can_run_here(uid: int, root: Path = ROOT) -> None:
+    """Skips the test, saying why, when ``uid`` cannot read this checkout (``root``) or interpreter's files."""
+    if (uid, root) not in _runs_here:
+        out = subprocess.run([sys.executable, "-c", _CAN_RUN, str(uid)], env=dict(os.environ, PYTHONPATH=str(root)),
                              cwd="/", capture_output=True, text=True, timeout=60)
         if out.returncode != 0:  # the interpreter itself failed as that user
-            _runs_here[uid] = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
+            _runs_here[uid, root] = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
         else:
-            _runs_here[uid] = out.stdout.strip()
-    if _runs_here[uid]:
-        pytest.skip(f"uid {uid} cannot use this interpreter and checkout ({_runs_here[uid]}): they lie in a "
+            _runs_here[uid, root] = out.stdout.strip()
+    if _runs_here[uid, root]:
+        pytest.skip(f"uid {uid} cannot use this interpreter and checkout ({_runs_here[uid, root]}): they lie in a "
                     "directory private to another user (e.g. a venv or checkout under /root, mode 0700); run the "
                     "tests from a checkout and environment other users can read to include this test")
 

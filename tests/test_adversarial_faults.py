@@ -4,6 +4,7 @@ bundles, and the container recipe tried as an unprivileged user."""
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from adversarial_helpers import NOBODY, as_user, cli_env, needs_root, public_tmp  # noqa: F401
+from adversarial_helpers import NOBODY, as_user, cli_env, needs_root, public_tmp, skip_unless_user_can_run_here  # noqa: F401
 from fleet_helpers import ROOT, cli, env_for, fake_entry, snapshot
 from sglang_hicache_jit import bundle as bundle_module
 from sglang_hicache_jit import loader
@@ -333,3 +334,20 @@ def test_the_container_recipe_with_a_real_build_checks_ok_as_another_user(sessio
     out = as_user(NOBODY, "check", "--arch", "9.0", "--no-build",
                   env=cli_env(user_cache, SGLANG_HICACHE_JIT_PREBUILT_DIRS=layer), timeout=300)
     assert out.returncode == 0 and "9.0        ok: built and loadable" in out.stdout, out.stdout + out.stderr
+
+
+@needs_root
+def test_a_user_who_cannot_read_the_checkout_skips_the_test_naming_why(tmp_path):
+    """Issue 18: with the checkout (or venv) in a home private to root, the tests that run a child as
+    `nobody` failed with PermissionError (the child reads the kernel sources after dropping its
+    privileges), and the README's test command exited 1 for root."""
+    home = tmp_path / "home"  # a private home: mode 0700, owned by root
+    home.mkdir(mode=0o700)
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "sglang_hicache_jit", home / "sglang_hicache_jit", ignore=ignore)
+    shutil.copytree(ROOT / "kernels", home / "kernels", ignore=ignore)
+    with pytest.raises(pytest.skip.Exception) as info:
+        skip_unless_user_can_run_here(NOBODY, root=home)
+    assert f"uid {NOBODY} cannot use this interpreter" in str(info.value)
+    assert f"Permission denied: {home}" in str(info.value) and "0700" in str(info.value)
+    skip_unless_user_can_run_here(NOBODY)  # this checkout is readable by everyone: no skip
