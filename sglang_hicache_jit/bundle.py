@@ -153,7 +153,7 @@ def _write_tar(files: list[tuple[str, bytes]], output: str) -> None:
             local.write_bytes(payload)
             remote.upload(local, output)
         return
-    target = Path(output).expanduser()
+    target = settings.user_path("--output", output)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         # A random temporary name (O_EXCL) beside the target, then one rename: a link planted at a
@@ -406,7 +406,7 @@ def _check_unpacked(entry_dir: Path, record: dict, key: str, staging: Path) -> N
 
 
 def _into_cache(into: str | Path) -> BuildCache:
-    path = Path(into).expanduser()
+    path = settings.user_path("--into", str(into))
     if path.exists() and not path.is_dir():
         raise BadSettingError(f"--into {str(path)!r} is a file, not a directory.",
                               "name a directory (it is created if missing), e.g. --into /opt/hicache-prebuilt.")
@@ -454,7 +454,7 @@ def import_bundle(source: str, into: str | Path | None = None) -> BundleReport:
             report = import_bundle(str(local), into)
             report.path = source
             return report
-    path = Path(source).expanduser()
+    path = settings.user_path("BUNDLE", source)
     cache = _into_cache(into) if into is not None else BuildCache(settings.cache_root())
     toolkit = find_toolkit()
     local_toolkit = toolkit.identity if toolkit else None

@@ -184,7 +184,7 @@ def _info() -> dict:
     info["settings"] = settings.effective()
     # In the loader's order: local prebuilt layers, the writable cache, then remote layers.
     prebuilt = settings.prebuilt_dirs()
-    layers = [_layer_record("prebuilt", p, BuildCache(Path(p).expanduser(), prebuilt=True))
+    layers = [_layer_record("prebuilt", p, BuildCache(Path(p), prebuilt=True))
               for p in prebuilt if not remote.is_url(p)]
     layers.append(_layer_record("cache", str(settings.cache_root()), BuildCache(settings.cache_root())))
     layers += [_layer_record("remote", p) for p in prebuilt if remote.is_url(p)]

@@ -101,7 +101,7 @@ def prebuilt_layers() -> list[BuildCache]:
         return []
     from . import remote
 
-    return [BuildCache(Path(p).expanduser(), prebuilt=True) for p in dirs if not remote.is_url(p)]
+    return [BuildCache(Path(p), prebuilt=True) for p in dirs if not remote.is_url(p)]
 
 
 def remote_layers() -> list[str]:

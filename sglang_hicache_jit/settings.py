@@ -41,8 +41,22 @@ def _flag(name: str) -> bool:
 
 
 def bad(name: str, value: str, expected: str, fix: str = "") -> BadSettingError:
-    """The error for a setting (an environment variable or an option) that cannot be used."""
-    return BadSettingError(f"{name}={value!r} cannot be used: {expected}.", fix or f"correct or unset {name}.")
+    """The error for a setting (an environment variable or an option) that cannot be used. A long
+    value is shortened: the message is one line for a person, not a copy of 5000 digits."""
+    shown = repr(value) if len(value) <= 80 else f"{value[:40]!r}... ({len(value)} characters)"
+    return BadSettingError(f"{name}={shown} cannot be used: {expected}.", fix or f"correct or unset {name}.")
+
+
+def user_path(name: str, text: str) -> Path:
+    """``text`` (named by the setting or option ``name``) as a Path with ``~`` and ``~user`` expanded.
+    A ``~user`` that is not a user here (or ``~`` without a home) is a bad setting, not pathlib's
+    RuntimeError, which every command used to end in."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        user = text.split("/", 1)[0]
+        raise bad(name, text, f"{user} names no user with a home directory here",
+                  f"write the full path in {name}.") from None
 
 
 # Kernel pseudo-filesystems: nothing can be created there, and a cache there makes no sense.
@@ -69,7 +83,7 @@ def cache_root() -> Path:
     """Root of the writable build cache."""
     explicit = os.environ.get(CACHE_DIR, "").strip()
     if explicit:
-        return check_directory(CACHE_DIR, Path(explicit).expanduser())
+        return check_directory(CACHE_DIR, user_path(CACHE_DIR, explicit))
     if sys.platform.startswith("linux"):
         # platformdirs' rule for Linux, without importing it: the import alone costs ~2.7 ms, more
         # than half of the 5 ms a whole warm load may take (issue 10).
@@ -182,14 +196,19 @@ def split_path_list(text: str) -> list[str]:
 
 
 def prebuilt_dirs() -> list[str]:
-    """Read-only prebuilt layers (directories or fsspec URLs), searched in order before the cache."""
-    return split_path_list(os.environ.get(PREBUILT_DIRS, ""))
+    """Read-only prebuilt layers (directories, '~' expanded, or fsspec URLs), searched in order before the cache."""
+    return [str(user_path(PREBUILT_DIRS, item)) if item.startswith("~") else item
+            for item in split_path_list(os.environ.get(PREBUILT_DIRS, ""))]
 
 
 def lock_dir() -> Path | None:
     """Where build locks live when not inside the cache (a node-local path for a cache on NFS)."""
     value = os.environ.get(LOCK_DIR, "").strip()
-    return check_directory(LOCK_DIR, Path(value).expanduser()) if value else None
+    return check_directory(LOCK_DIR, user_path(LOCK_DIR, value)) if value else None
+
+
+# uid_t is 32 bits; (uid_t) -1 means "no user".
+MAX_UID = (1 << 32) - 2
 
 
 def trusted_owners() -> frozenset[int]:

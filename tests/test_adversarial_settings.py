@@ -1,6 +1,7 @@
 """Adversarial: bad settings and inputs through the CLI. Each must end in one `error:` line that names
 the setting (or input) and the fix, with a non-zero exit and no traceback."""
 
+import json
 import os
 
 import pytest
@@ -196,3 +197,33 @@ def test_the_real_cli_prints_one_line_for_bad_settings(tmp_path):
               timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().startswith("error: [bad_setting] SGLANG_HICACHE_JIT_BUILD_JOBS='1.5'"), out.stderr
+
+
+# ---- issue 18: T2, a '~user' that is no user ended every command in a RuntimeError -------------------------------------------------
+
+
+@pytest.mark.parametrize("variable", ["SGLANG_HICACHE_JIT_CACHE_DIR", "SGLANG_HICACHE_JIT_LOCK_DIR",
+                                      "SGLANG_HICACHE_JIT_PREBUILT_DIRS"])
+def test_t2_a_home_of_no_user_is_a_bad_setting_in_every_command(env, capsys, variable):
+    env.setenv(variable, "~nosuchuser-hicache/c")
+    commands = {"SGLANG_HICACHE_JIT_CACHE_DIR": [("prewarm", "--arch", "9.0"), ("info",), ("prune",), ("clean",),
+                                                 ("check", "--arch", "9.0", "--no-build")],
+                "SGLANG_HICACHE_JIT_LOCK_DIR": [("prewarm", "--arch", "9.0")],
+                "SGLANG_HICACHE_JIT_PREBUILT_DIRS": [("prewarm", "--arch", "9.0"), ("info",)]}[variable]
+    for args in commands:
+        code, out, err = run_main(capsys, *args)
+        assert_one_error_line(code, err, variable, "~nosuchuser-hicache names no user", "fix:")
+        assert code == 2
+    code, out, err = run_main(capsys, "doctor", "--arch", "9.0")
+    assert code == 1 and "Traceback" not in err and f"{variable}='~nosuchuser-hicache/c' cannot be used" in out
+
+
+@pytest.mark.parametrize("args", [("export", "--arch", "9.0", "-o", "~nosuchuser-hicache/b.tar.gz"),
+                                  ("import", "~nosuchuser-hicache/b.tar.gz"),
+                                  ("import", "B", "--into", "~nosuchuser-hicache/layer")])
+def test_t2_a_home_of_no_user_in_an_option_is_one_line(env, tmp_path, capsys, args):
+    fake_entry(BuildCache(tmp_path / "cache"))
+    export_bundle([parse_arch_list("9.0")], str(tmp_path / "b.tar.gz"))
+    args = tuple(str(tmp_path / "b.tar.gz") if a == "B" else a for a in args)
+    code, out, err = run_main(capsys, *args)
+    assert_one_error_line(code, err, "~nosuchuser-hicache names no user", "fix:")
