@@ -134,14 +134,30 @@ def method() -> str:
     return value
 
 
+def whole_number(text: str, low: int, high: int) -> int | None:
+    """``text`` as a whole number from ``low`` to ``high``, else None. The one reader of every integer
+    setting (and of cuda.h's version): plain ASCII digits only (no sign, '_', space, or another
+    script's digits such as '²', which str.isdigit accepts and int() refuses), and the length is
+    checked before int(), so 5000 digits are out of range rather than Python's int-string limit
+    (a ValueError from inside int())."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(high)):
+        return None
+    number = int(digits)
+    return number if low <= number <= high else None
+
+
 def _whole_number(name: str, default, low: int, high: int):
-    """The whole number in ``name`` (plain ASCII digits: no sign, no '_'), or ``default`` when unset."""
+    """The whole number in the variable ``name`` (see whole_number), or ``default`` when it is unset."""
     value = os.environ.get(name, "").strip()
     if not value:
         return default
-    if not (value.isascii() and value.isdigit()) or not low <= int(value) <= high:
+    number = whole_number(value, low, high)
+    if number is None:
         raise bad(name, value, f"it must be a whole number from {low} to {high}")
-    return int(value)
+    return number
 
 
 def resident_blocks() -> int:
@@ -219,15 +235,20 @@ def trusted_owners() -> frozenset[int]:
     for item in re.split(r"[,:\s]+", value):
         if not item:
             continue
-        if item.isdigit():
-            uids.add(int(item))
+        if item.isascii() and item.isdigit():
+            uid = whole_number(item, 0, MAX_UID)
+            if uid is None:
+                raise bad(TRUSTED_OWNERS, value, f"a uid must be a whole number from 0 to {MAX_UID}",
+                          f"name existing users or uids in {TRUSTED_OWNERS}.")
+            uids.add(uid)
             continue
         try:
             import pwd
 
             uids.add(pwd.getpwnam(item).pw_uid)
-        except (ImportError, KeyError):
-            raise bad(TRUSTED_OWNERS, value, f"there is no user {item!r}",
+        except (ImportError, KeyError, ValueError):  # ValueError: a name pwd cannot even look up
+            shown = repr(item) if len(item) <= 40 else f"{item[:20]!r}..."
+            raise bad(TRUSTED_OWNERS, value, f"there is no user {shown}",
                       f"name existing users or uids in {TRUSTED_OWNERS}.") from None
     return frozenset(uids)
 

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from collections import namedtuple
 
+from . import settings
 from .arch import Arch
 from .errors import ArchUnsupportedError, ToolchainError
 
@@ -67,9 +68,10 @@ def _header_version(home: Path) -> str | None:
     if at < 0:
         return None
     digits = head[at + len(b"#define CUDA_VERSION"):].split(maxsplit=1)
-    if not digits or not digits[0].isdigit():
+    # 13000 is CUDA 13.0; a number of thousands of digits is not a version (and int() would raise).
+    number = settings.whole_number(digits[0].decode("ascii", "replace"), 1000, 999_999) if digits else None
+    if number is None:
         return None
-    number = int(digits[0])
     return f"{number // 1000}.{(number % 1000) // 10}"
 
 
@@ -109,7 +111,8 @@ def _find_toolkit_cached(environment: tuple) -> Toolkit | None:
     if rejected:
         # Named explicitly, yet unusable: say so rather than quietly build with a toolkit nobody chose.
         # (Cached per environment, so this is said once per process, not at every load.)
-        log.warning("%s is not a CUDA toolkit (it needs bin/nvcc and include/cuda.h); %s",
+        log.warning("%s is not a CUDA toolkit (it needs bin/nvcc and an include/cuda.h that defines "
+                    "CUDA_VERSION); %s",
                     " and ".join(rejected),
                     f"using {found.home} (found by {found.found_by}) instead" if found else "no other toolkit found")
     return found
@@ -125,7 +128,8 @@ def require_toolkit() -> Toolkit:
     toolkit = find_toolkit()
     if toolkit is None:
         explicit = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-        where = f" (CUDA_HOME={explicit} has no bin/nvcc and include/cuda.h)" if explicit else ""
+        where = (f" (CUDA_HOME={explicit} has no bin/nvcc and include/cuda.h with a CUDA_VERSION)"
+                 if explicit else "")
         raise ToolchainError(
             f"No CUDA toolkit found{where}: searched $CUDA_HOME, $CUDA_PATH, nvcc on PATH, "
             "/usr/local/cuda and /usr/local/cuda-*.",

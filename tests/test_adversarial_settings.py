@@ -199,7 +199,10 @@ def test_the_real_cli_prints_one_line_for_bad_settings(tmp_path):
     assert out.stderr.strip().startswith("error: [bad_setting] SGLANG_HICACHE_JIT_BUILD_JOBS='1.5'"), out.stderr
 
 
-# ---- issue 18: T2, a '~user' that is no user ended every command in a RuntimeError -------------------------------------------------
+# ---- issue 18: T1-T5, settings that ended in a traceback -------------------------------------------------
+
+HUGE = "9" * 5000  # past Python's int-string limit (4300 digits): int() itself raised ValueError
+
 
 
 @pytest.mark.parametrize("variable", ["SGLANG_HICACHE_JIT_CACHE_DIR", "SGLANG_HICACHE_JIT_LOCK_DIR",
@@ -227,3 +230,67 @@ def test_t2_a_home_of_no_user_in_an_option_is_one_line(env, tmp_path, capsys, ar
     args = tuple(str(tmp_path / "b.tar.gz") if a == "B" else a for a in args)
     code, out, err = run_main(capsys, *args)
     assert_one_error_line(code, err, "~nosuchuser-hicache names no user", "fix:")
+
+
+@pytest.mark.parametrize("variable", ["SGLANG_HICACHE_JIT_BUILD_JOBS", "SGLANG_HICACHE_JIT_RESIDENT_BLOCKS",
+                                      "SGLANG_HICACHE_JIT_RESIDENT_IDLE_US"])
+@pytest.mark.parametrize("value", [HUGE, "0" * 5000 + "7" * 5000, "²", "٣"], ids=["9x5000", "0x5000+7x5000", "sup2",
+                                                                                 "arabic3"])
+def test_t3_one_bounded_reader_for_every_whole_number_setting(env, capsys, variable, value):
+    env.setenv(variable, value)
+    reader = {"SGLANG_HICACHE_JIT_BUILD_JOBS": settings.build_jobs,
+              "SGLANG_HICACHE_JIT_RESIDENT_BLOCKS": settings.resident_blocks,
+              "SGLANG_HICACHE_JIT_RESIDENT_IDLE_US": settings.resident_idle_us}[variable]
+    with pytest.raises(errors.BadSettingError) as info:
+        reader()
+    assert variable in info.value.reason and "whole number from" in info.value.reason
+    assert len(info.value.reason) < 300  # one line for a person, not the 5000 digits
+    code, out, err = run_main(capsys, "info")
+    line = next(line for line in out.splitlines() if variable in line)
+    assert code == 0 and "INVALID" in line and "whole number from" in line and "int-string" not in line
+    code, out, err = run_main(capsys, "doctor", "--arch", "9.0")
+    assert code == 1 and "Traceback" not in err and f"{variable}=" in out
+    if variable == "SGLANG_HICACHE_JIT_BUILD_JOBS":
+        code, out, err = run_main(capsys, "prewarm", "--arch", "9.0")
+        assert_one_error_line(code, err, variable, "whole number from 1 to 1024")
+
+
+def test_t3_leading_zeros_are_still_a_number(env):
+    env.setenv("SGLANG_HICACHE_JIT_BUILD_JOBS", "0" * 5000 + "8")
+    assert settings.build_jobs() == 8
+
+
+@needs_root
+@pytest.mark.parametrize("value", ["²", HUGE, "4294967295", "-1", "x\udcffy"], ids=["sup2", "9x5000", "uid_max", "-1",
+                                                                                   "surrogate"])
+def test_t4_bad_trusted_owners_with_a_layer_of_another_user_is_one_line(env, tmp_path, capsys, value):
+    from adversarial_helpers import NOBODY, chown_tree
+
+    layer = tmp_path / "layer"
+    fake_entry(BuildCache(layer))
+    chown_tree(layer, NOBODY)
+    env.setenv("SGLANG_HICACHE_JIT_PREBUILT_DIRS", str(layer))
+    env.setenv("SGLANG_HICACHE_JIT_TRUSTED_OWNERS", value)
+    code, out, err = run_main(capsys, "prewarm", "--arch", "9.0")
+    assert_one_error_line(code, err, "SGLANG_HICACHE_JIT_TRUSTED_OWNERS", "fix:")
+    assert code == 2
+
+
+@pytest.mark.parametrize("version", [HUGE, "1" + "0" * 4999, "99999999999", "-13000"], ids=["9x5000", "1e4999", "1e11",
+                                                                                       "negative"])
+def test_t5_a_cuda_h_with_a_huge_version_is_not_a_toolkit(env, tmp_path, capsys, caplog, version):
+    fake = tmp_path / "cuda"
+    (fake / "bin").mkdir(parents=True)
+    (fake / "include").mkdir()
+    (fake / "bin" / "nvcc").write_text("#!/bin/sh\nexit 1\n")
+    os.chmod(fake / "bin" / "nvcc", 0o755)
+    (fake / "include" / "cuda.h").write_text(f"#define CUDA_VERSION {version}\n")
+    env.setenv("CUDA_HOME", str(fake))
+    env.delenv("CUDA_PATH", raising=False)
+    fake_entry(BuildCache(tmp_path / "cache"))  # prewarm finds it: nothing is compiled
+    for args in (("info",), ("doctor", "--arch", "9.0"), ("prewarm", "--arch", "9.0")):
+        code, out, err = run_main(capsys, *args)
+        assert "Traceback" not in err and "ValueError" not in err, err
+        if args[0] != "doctor":
+            assert code == 0, err
+    assert f"CUDA_HOME={fake} is not a CUDA toolkit" in caplog.text
