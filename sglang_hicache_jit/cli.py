@@ -204,8 +204,8 @@ def _format_setting(s: dict) -> str:
         return f"{s['default']}  (default)"
     if isinstance(value, bool):
         value = "on" if value else "off"
-    elif isinstance(value, list):
-        value = ":".join(value)
+    elif isinstance(value, list):  # layers (paths) or trusted owners (uids)
+        value = ":".join(map(str, value))
     return f"{value}  ({s['source']})"
 
 

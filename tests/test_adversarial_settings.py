@@ -204,6 +204,16 @@ def test_the_real_cli_prints_one_line_for_bad_settings(tmp_path):
 HUGE = "9" * 5000  # past Python's int-string limit (4300 digits): int() itself raised ValueError
 
 
+def test_t1_info_shows_trusted_owners_named_by_user(env, capsys):
+    env.setenv("SGLANG_HICACHE_JIT_TRUSTED_OWNERS", "root")
+    code, out, err = run_main(capsys, "info")
+    assert code == 0 and "Traceback" not in err, err
+    line = next(line for line in out.splitlines() if "SGLANG_HICACHE_JIT_TRUSTED_OWNERS" in line)
+    assert line.split()[1:] == ["0", "(env)"], line
+    code, out, err = run_main(capsys, "info", "--json")
+    setting = next(s for s in json.loads(out)["settings"] if s["variable"] == "SGLANG_HICACHE_JIT_TRUSTED_OWNERS")
+    assert code == 0 and setting["value"] == [0] and setting["error"] is None
+
 
 @pytest.mark.parametrize("variable", ["SGLANG_HICACHE_JIT_CACHE_DIR", "SGLANG_HICACHE_JIT_LOCK_DIR",
                                       "SGLANG_HICACHE_JIT_PREBUILT_DIRS"])
