@@ -97,6 +97,8 @@ def export_bundle(targets: list[tuple], output: str) -> BundleReport:
     ones first) into ``output``, a path or an fsspec URL."""
     from .loader import ensure_built
 
+    if not remote.is_url(output):  # a path that cannot be written is refused before anything is built
+        safeio.check_output(settings.user_path("--output", output), "--output")
     entries: list[Entry] = []
     for archs in targets:
         entries.append(ensure_built(archs, retry_failed=True).entry)
@@ -157,8 +159,9 @@ def _write_tar(files: list[tuple[str, bytes]], output: str) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         # A random temporary name (O_EXCL) beside the target, then one rename: a link planted at a
-        # guessable name is never written through, and readers never see half a bundle.
-        safeio.write_atomic(target, payload, 0o644)
+        # guessable name is never written through, and readers never see half a bundle. The target
+        # itself must be new or a regular file (a FIFO or /dev/null is not replaced).
+        safeio.write_output(target, payload, "--output")
     except OSError as exc:
         raise write_error(exc, f"the bundle {target}", "choose an output path in a writable directory with "
                           "free space.") from None
