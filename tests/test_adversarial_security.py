@@ -353,3 +353,87 @@ def test_h1_d1_files_planted_in_tmp_by_another_user_are_never_read_or_written(tm
                 os.unlink(f"/tmp/{name}")
             except OSError:
                 pass
+
+
+# ---- issue 18, D4: one trust rule for every reader and writer of the cache ----------------------------
+# Another user's `clean` removed the entries of a world-writable cache that `import` and the loader
+# refused as unsafe_cache.
+
+def _cache_with_entries(root: Path) -> BuildCache:
+    cache = BuildCache(root)
+    fake_entry(cache, "9.0")
+    fake_entry(cache, "8.0")
+    cache.record_failure("sm90", "hicache_transfer", "0" * 16, "planted", "log")
+    return cache
+
+
+@pytest.mark.parametrize("where", ["root", "layout"])
+def test_d4_clean_and_prune_refuse_a_world_writable_cache_like_the_loader(tmp_path, monkeypatch, capsys, where):
+    from adversarial_helpers import assert_one_error_line, run_main
+
+    root = tmp_path / "cache"
+    cache = _cache_with_entries(root)
+    os.chmod(root if where == "root" else cache.layout_root, 0o777)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(root))
+    before = snapshot(root)
+    for args in (("clean",), ("clean", "--failed"), ("prune",), ("prune", "--max-size", "0")):
+        code, out, err = run_main(capsys, *args)
+        assert_one_error_line(code, err, "[unsafe_cache]", "writable by every user", "fix:")
+    assert snapshot(root) == before, "a refused cache lost files"
+    with pytest.raises(UnsafeCacheError):  # the loader: the same rule, the same code
+        ensure_built(ARCHS, build=False)
+    with pytest.raises(UnsafeCacheError):  # a failure record planted there decides nothing either
+        loader._fail_fast(cache, BuildSpec.for_archs(ARCHS), "0" * 16)
+
+
+@needs_root
+def test_d4_clean_and_prune_refuse_a_cache_owned_by_another_user(tmp_path, monkeypatch, capsys):
+    from adversarial_helpers import assert_one_error_line, run_main
+
+    root = tmp_path / "cache"
+    _cache_with_entries(root)
+    chown_tree(root, NOBODY)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(root))
+    before = snapshot(root)
+    for args in (("clean",), ("prune",)):
+        code, out, err = run_main(capsys, *args)
+        assert_one_error_line(code, err, "[unsafe_cache]", f"owned by uid {NOBODY}", "fix:")
+    assert snapshot(root) == before
+
+
+def test_d4_a_private_cache_is_still_cleaned(tmp_path, monkeypatch, capsys):
+    from adversarial_helpers import run_main
+
+    root = tmp_path / "cache"
+    _cache_with_entries(root)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(root))
+    code, out, err = run_main(capsys, "clean")
+    assert code == 0 and "removed 2 cache entries, 1 failed-build record" in out, out + err
+    assert entry_dirs(root) == []
+
+
+_CLEAN_AND_PRUNE = """
+import sglang_hicache_jit.cli as c
+for args in (["clean"], ["prune"], ["import", sys.argv[4]]):
+    print(args[0], c.main(args), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_d4_another_users_clean_leaves_a_world_writable_cache_alone(public_tmp, make_user):
+    owner, other = make_user("owner"), make_user("other")
+    root = public_tmp / "shared-cache"
+    cache = _cache_with_entries(root)
+    bundle = public_tmp / "b.tar.gz"
+    export_bundle([ARCHS], str(bundle))  # something to import, from the same entries
+    os.chmod(bundle, 0o644)
+    chown_tree(root, owner)
+    for dirpath, dirs, _ in os.walk(root):  # the owner made the whole cache world-writable
+        os.chmod(dirpath, 0o777)
+    before = snapshot(root)
+    out = as_user(other, "-c", _CLEAN_AND_PRUNE, str(bundle), env=cli_env(root), timeout=120)
+    assert [line.split() for line in out.stdout.splitlines()] == [["clean", "1"], ["prune", "1"], ["import", "1"]], \
+        out.stdout + out.stderr
+    assert out.stderr.count("error: [unsafe_cache]") == 3 and "Traceback" not in out.stderr, out.stderr
+    assert snapshot(root) == before, "another user's command changed the cache"
+    assert len(entry_dirs(root)) == 2
