@@ -43,7 +43,7 @@ from .cache import BUILD_LOG, write_manifest
 from .errors import BuildFailedError
 from .progress import follow
 from .spec import BuildSpec
-from .toolchain import BuildTools, tool_env, torch_root
+from .toolchain import BuildTools, host_cc, tool_env, torch_root
 from . import settings
 
 _COMPILE_SCRIPT = Path(__file__).with_name("_compile.py")
@@ -96,7 +96,8 @@ def build_steps(spec: BuildSpec, name: str, tools: BuildTools, src_dir: Path) ->
         path = str(src_dir / source)
         if source.endswith(".cu"):
             output = f"{Path(source).stem}.cuda.o"
-            ccbin = ["-ccbin", os.environ["CC"]] if os.environ.get("CC") else []  # as torch does
+            cc = host_cc()
+            ccbin = ["-ccbin", cc] if cc else []  # as torch does
             command = [str(tools.toolkit.nvcc), *ccbin, *spec.cuda_flags(), f"-I{src_dir}", "-c", path, "-o", output]
         else:
             output = f"{Path(source).stem}.o"

@@ -506,6 +506,11 @@ def expected_error(exc: BaseException) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_numpy_warning()
+    for stream in (sys.stdout, sys.stderr):
+        # A path or variable with non-UTF-8 bytes (a lone surrogate in Python) is printed escaped,
+        # never as a UnicodeEncodeError in the middle of a report.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)

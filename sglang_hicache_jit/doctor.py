@@ -160,7 +160,10 @@ def _toolchain_checks(targets: list[tuple], torch_info: dict | None) -> list[Che
     else:
         checks.append(Check("CUDA versions", "skip", "needs nvcc and torch"))
     needed = not all_prebuilt
-    for name, require in (("ninja", toolchain.require_ninja), ("host compiler", toolchain.require_cxx)):
+    requirements = [("ninja", toolchain.require_ninja), ("host compiler", toolchain.require_cxx)]
+    if os.environ.get("CC"):  # nvcc's host compiler, when one is named
+        requirements.append(("CC", toolchain.host_cc))
+    for name, require in requirements:
         try:
             found = require()
             checks.append(_ok(name, found if isinstance(found, str) else f"{found[0]}: {found[1]}"))

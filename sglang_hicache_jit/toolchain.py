@@ -264,6 +264,23 @@ def require_ninja() -> str:
     return ninja
 
 
+def host_cc() -> str | None:
+    """$CC when set: nvcc's host compiler (``-ccbin``, as torch's extension builder passes it).
+    ToolchainError (``no_cxx``) unless it names an executable: a CC that is not a compiler, or not
+    even text (non-UTF-8 bytes), otherwise failed inside the compile and was remembered as a
+    compile error."""
+    cc = os.environ.get("CC")
+    if not cc:
+        return None
+    if shutil.which(cc) is None:
+        raise ToolchainError(
+            f"CC={cc!r} (nvcc's host compiler, passed as -ccbin) is not an executable on PATH.",
+            "set CC to a host compiler nvcc supports (e.g. CC=gcc), or unset it.",
+            code="no_cxx",
+        )
+    return cc
+
+
 def require_cxx() -> tuple[str, str]:
     """The host C++ compiler ($CXX, else c++) and its version line."""
     cxx = os.environ.get("CXX", "c++")
@@ -303,6 +320,7 @@ def check_build_tools(archs: tuple[Arch, ...]) -> BuildTools:
     """Everything a build needs, or a ToolchainError / ArchUnsupportedError saying what is missing."""
     toolkit = require_toolkit()
     tools = _build_tools(str(toolkit.home), toolkit.version, toolkit.found_by)
+    host_cc()  # read at each build (not cached with the tools): the environment may have changed
     missing = [str(a) for a in unsupported_archs(archs, tools.nvcc_archs)]
     if missing:
         raise ArchUnsupportedError(

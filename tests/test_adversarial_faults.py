@@ -351,3 +351,45 @@ def test_a_user_who_cannot_read_the_checkout_skips_the_test_naming_why(tmp_path)
     assert f"uid {NOBODY} cannot use this interpreter" in str(info.value)
     assert f"Permission denied: {home}" in str(info.value) and "0700" in str(info.value)
     skip_unless_user_can_run_here(NOBODY)  # this checkout is readable by everyone: no skip
+
+
+# ---- issue 18, T6: a CC with non-UTF-8 bytes ------------------------------------------------------------
+# The compile child failed writing build.ninja (UnicodeEncodeError) and the failed build's message
+# carried that traceback; it was even remembered as a final compile error.
+
+def test_t6_build_ninja_keeps_non_utf8_bytes_of_paths_and_cc(tmp_path):
+    from sglang_hicache_jit import _compile
+
+    cc = os.fsdecode(b"/opt/gcc\xff")  # how Python reads such a variable from the environment
+    request = {"name": "x", "library": "x.so", "build_dir": str(tmp_path), "link": ["c++", "-o", "x.so"],
+               "steps": [{"input": os.fsdecode(b"/src/\xfe.cu"), "output": "a.o", "command": ["nvcc", "-ccbin", cc]}]}
+    path = _compile.write_ninja(request)
+    data = Path(path).read_bytes()
+    assert b"-ccbin '/opt/gcc\xff'" in data and b"/src/\xfe.cu" in data
+
+
+@pytest.mark.build
+def test_t6_a_cc_that_is_not_a_compiler_is_a_toolchain_error_line(tmp_path, monkeypatch, capsys):
+    from adversarial_helpers import run_main
+
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", os.fsdecode(b"/usr/bin/gcc\xff"))
+    code, out, err = run_main(capsys, "prewarm", "--arch", "9.0")
+    assert code == 1 and "Traceback" not in out + err and "UnicodeEncodeError" not in out + err, out + err
+    assert "failed [no_cxx]: CC='/usr/bin/gcc\\udcff' (nvcc's host compiler" in out, out
+    assert not list((tmp_path / "cache").glob("v1/*/*.failed.json")), "remembered as a final compile error"
+    code, out, err = run_main(capsys, "doctor", "--arch", "9.0")
+    assert "PROBLEM CC" in out and "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.build
+def test_t6_a_cc_whose_path_is_not_utf8_builds(tmp_path):
+    compiler = Path(os.fsdecode(bytes(tmp_path) + b"/gcc\xff"))
+    compiler.symlink_to(shutil.which("gcc"))
+    env = env_for(tmp_path / "cache", CC=compiler)
+    out = subprocess.run([sys.executable, "-m", "sglang_hicache_jit", "prewarm", "--arch", "9.0"], env=env, cwd=ROOT,
+                         capture_output=True, timeout=600)
+    assert out.returncode == 0, out.stdout.decode(errors="replace") + out.stderr.decode(errors="replace")
+    log = next((tmp_path / "cache").glob("v1/sm90/*/build.log")).read_bytes()
+    assert b"-ccbin " + bytes(tmp_path) + b"/gcc\xff" in log.replace(b"'", b"")
