@@ -47,18 +47,21 @@ def _available(element_size) -> bool:
     """The probe's verdict for rows of ``element_size`` bytes; never raises."""
     if isinstance(element_size, bool) or not isinstance(element_size, int):
         return False  # probe(None) would ask only about the GPU, not about a row
+    # A plain int from here on: an int subclass may override __repr__, __index__ or __eq__ (and raise
+    # from them); int.__index__ is int's own conversion and ignores those.
+    size = int.__index__(element_size)
     try:
-        result = probe(element_size)
+        result = probe(size)
+        if not result.available:
+            key = (size, result.code)
+            if key not in _warned:
+                _warned.add(key)
+                log.warning("JIT HiCache kernel unavailable for element_size=%d: [%s] %s", size, result.code,
+                            result.reason)
+        return bool(result.available)
     except Exception as exc:  # probe() does not raise; belt and braces for a must-not-raise API
-        log.warning("JIT HiCache kernel probe failed: %s", exc)
+        log.warning("JIT HiCache kernel probe failed: %s: %s", type(exc).__name__, exc)
         return False
-    if not result.available:
-        key = (repr(element_size), result.code)
-        if key not in _warned:
-            _warned.add(key)
-            log.warning("JIT HiCache kernel unavailable for element_size=%r: [%s] %s", element_size, result.code,
-                        result.reason)
-    return result.available
 
 
 def can_use_hicache_jit_kernel(

@@ -69,6 +69,36 @@ def test_can_use_never_raises_and_says_no_for_bad_rows():
         assert compat.can_use_hicache_jit_kernel(element_size=bad) is False
 
 
+class _Hostile(int):
+    """An int whose every Python-level hook raises."""
+
+    def _raise(self, *args):
+        raise RuntimeError("hostile int")
+
+    __repr__ = __str__ = __index__ = __int__ = __hash__ = __eq__ = __format__ = _raise
+
+
+@pytest.mark.parametrize("value", [576, 6, 0, -4])
+def test_t7_can_use_never_raises_for_an_int_subclass_whose_hooks_raise(monkeypatch, value):
+    """Issue 18, T7: repr(element_size) built the warning's key and raised."""
+    from sglang_hicache_jit.probe import ProbeResult
+
+    answers = []
+    monkeypatch.setattr(compat, "probe", lambda size: answers.append(type(size)) or
+                        ProbeResult(False, "no_cuda_device", "no GPU"))
+    hostile = _Hostile(value)
+    assert compat.can_use_hicache_jit_kernel(element_size=hostile) is False
+    assert compat.can_use_write_back_jit_kernel(element_size=hostile) is False
+    assert compat.can_use_page_unified_load_back_jit_kernel(group_bytes=hostile) is False
+    assert answers == [int, int, int]  # the probe got a plain int
+
+    def broken_probe(size):
+        raise RuntimeError("a probe that breaks its promise")
+
+    monkeypatch.setattr(compat, "probe", broken_probe)
+    assert compat.can_use_hicache_jit_kernel(element_size=hostile) is False
+
+
 def test_all_layer_needs_element_size_when_strides_differ():
     with pytest.raises(ValueError, match="element_size is required"):
         compat.transfer_hicache_all_layer_mla(None, None, None, None, cache_src_stride_bytes=1152,
