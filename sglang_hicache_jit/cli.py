@@ -192,7 +192,11 @@ def _info() -> dict:
     info["target"] = _target()
     from .integrations.sglang import describe
 
-    info["sglang_plugin"] = describe()
+    try:
+        info["sglang_plugin"] = dict(describe(), error=None)
+    except BadSettingError as exc:  # SGLANG_HICACHE_JIT_SGLANG_PLUGIN neither on nor off: the plugin stays off
+        info["sglang_plugin"] = {"sglang": None, "tested_with": None, "entry_point": None, "switch": None,
+                                 "sglang_plugins": None, "active": False, "error": exc.reason}
     return info
 
 
@@ -253,6 +257,8 @@ def cmd_info(args) -> int:
 
 
 def _plugin_line(p: dict) -> str:
+    if p["error"]:
+        return f"not active, SGLang runs unchanged: {p['error']}"
     if not p["entry_point"]:
         return "not registered (install the package with pip; PYTHONPATH alone registers no entry point)"
     if not p["sglang"]:

@@ -72,7 +72,7 @@ def _settings_checks() -> list[Check]:
     problems = []
     for reader in (settings.lock_timeout, settings.build_jobs, settings.method, settings.cache_max_size,
                    settings.cache_root, settings.lock_dir, settings.trusted_owners, settings.prebuilt_dirs,
-                   settings.resident_blocks, settings.resident_idle_us):
+                   settings.resident_blocks, settings.resident_idle_us, settings.sglang_plugin_enabled):
         try:
             reader()
         except ValueError as exc:  # BadSettingError is one

@@ -109,9 +109,22 @@ def disabled() -> bool:
     return _flag(DISABLE)
 
 
+_FALSE = {"0", "false", "no", "off"}
+
+
 def sglang_plugin_enabled() -> bool:
-    """SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0 leaves SGLang exactly as it is (the plugin patches nothing)."""
-    return os.environ.get(SGLANG_PLUGIN, "1").strip().lower() not in {"0", "false", "no", "off"}
+    """SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0 leaves SGLang exactly as it is (the plugin patches nothing).
+    Anything but on (unset, 1, true, yes, on) or off (0, false, no, off) raises BadSettingError:
+    'disable' or '2' used to leave the plugin on without a word. The plugin's register() turns that
+    into "plugin not active" with the reason at WARNING (it never stops SGLang); info and doctor
+    show the setting as invalid."""
+    value = os.environ.get(SGLANG_PLUGIN, "").strip().lower()
+    if not value or value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise bad(SGLANG_PLUGIN, os.environ[SGLANG_PLUGIN], "it must be 1 (on) or 0 (off); true/false, yes/no and "
+              "on/off also work", f"set {SGLANG_PLUGIN}=0 to leave SGLang unchanged, or unset it.")
 
 
 def lineinfo() -> bool:

@@ -304,3 +304,40 @@ def test_t5_a_cuda_h_with_a_huge_version_is_not_a_toolkit(env, tmp_path, capsys,
         if args[0] != "doctor":
             assert code == 0, err
     assert f"CUDA_HOME={fake} is not a CUDA toolkit" in caplog.text
+
+
+# ---- issue 18: SGLANG_HICACHE_JIT_SGLANG_PLUGIN=disable left the plugin on without a word ----------
+
+@pytest.mark.parametrize("value", ["disable", "2", "none", "nan", "enabled", "-1"])
+def test_a_plugin_switch_that_is_neither_on_nor_off_is_refused(env, capsys, caplog, value):
+    from sglang_hicache_jit.integrations import sglang as plugin
+
+    env.setenv("SGLANG_HICACHE_JIT_SGLANG_PLUGIN", value)
+    with pytest.raises(errors.BadSettingError, match="SGLANG_HICACHE_JIT_SGLANG_PLUGIN"):
+        settings.sglang_plugin_enabled()
+    saved = dict(plugin.status)
+    plugin.reload_for_tests()
+    try:
+        plugin.register()  # in SGLang's process: never raises, patches nothing, and says why
+        assert plugin.status["registered"] is False and plugin.status["patched"] == []
+        assert "SGLANG_HICACHE_JIT_SGLANG_PLUGIN" in plugin.status["reason"]
+        assert "plugin not active" in caplog.text and value in caplog.text
+    finally:
+        plugin.status.clear()
+        plugin.status.update(saved)
+    code, out, err = run_main(capsys, "info")
+    assert code == 0 and "Traceback" not in err, err
+    assert any("SGLANG_HICACHE_JIT_SGLANG_PLUGIN" in line and "INVALID" in line for line in out.splitlines())
+    assert "SGLang plugin not active, SGLang runs unchanged: SGLANG_HICACHE_JIT_SGLANG_PLUGIN=" in out
+    code, out, err = run_main(capsys, "info", "--json")
+    described = json.loads(out)["sglang_plugin"]
+    assert described["active"] is False and described["switch"] is None and value in described["error"]
+    code, out, err = run_main(capsys, "doctor", "--arch", "9.0")
+    assert code == 1 and "SGLANG_HICACHE_JIT_SGLANG_PLUGIN=" in out and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value,enabled", [("", True), ("1", True), ("on", True), ("TRUE", True), ("yes", True),
+                                           ("0", False), ("off", False), ("False", False), (" no ", False)])
+def test_the_plugin_switch_still_reads_on_and_off(env, value, enabled):
+    env.setenv("SGLANG_HICACHE_JIT_SGLANG_PLUGIN", value)
+    assert settings.sglang_plugin_enabled() is enabled
