@@ -499,7 +499,12 @@ class BuildCache:
         if not path.exists():
             return None
         self.check_trust(path)
-        return self._entry(verify_entry(path, key=key, hash_library=hash_library))
+        try:
+            return self._entry(verify_entry(path, key=key, hash_library=hash_library))
+        except CorruptEntry:
+            if not os.path.lexists(path):  # removed while read (a clean or prune): absent, not corrupt
+                return None
+            raise
 
     def find_abi(self, arch_tag: str, kernel: str, abi_key: str, local_toolkit: str | None = None
                  ) -> Entry | None:

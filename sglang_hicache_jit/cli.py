@@ -98,13 +98,14 @@ def _check_gpu(args) -> list[dict]:
 
 
 def _check_archs(args) -> list[dict]:
-    from .loader import ensure_built, load_entry
+    from .loader import load_archs
 
     records = []
     for archs in _archs_from(args.arch):
         try:
-            result = ensure_built(archs, build=not args.no_build)
-            library = load_entry(result.entry, archs)
+            # As load_kernels does: an entry removed between the look and the load (a clean racing
+            # this check) is looked for again, and is then "not built", not a corrupt entry.
+            library = load_archs(archs, build=not args.no_build)
             records.append(_check_record(_label(archs), reason=f"built and loadable: {library.path}",
                                          library=str(library.path)))
         except (BadSettingError, CacheWriteError):

@@ -393,3 +393,55 @@ def test_t6_a_cc_whose_path_is_not_utf8_builds(tmp_path):
     assert out.returncode == 0, out.stdout.decode(errors="replace") + out.stderr.decode(errors="replace")
     log = next((tmp_path / "cache").glob("v1/sm90/*/build.log")).read_bytes()
     assert b"-ccbin " + bytes(tmp_path) + b"/gcc\xff" in log.replace(b"'", b"")
+
+
+# ---- issue 18: a check that races clean ---------------------------------------------------------------
+# The entry found by the look was removed before the load: check reported it as CorruptEntry
+# (load_failed) instead of "not built".
+
+def _race_env(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(root))
+    for name in ("SGLANG_HICACHE_JIT_PREBUILT_DIRS", "SGLANG_HICACHE_JIT_LOCK_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    fake_entry(BuildCache(root))
+    return BuildCache(root)
+
+
+def test_a_check_racing_clean_between_look_and_load_says_not_built(tmp_path, monkeypatch, capsys):
+    from adversarial_helpers import run_main
+    from sglang_hicache_jit.prune import clean
+
+    cache = _race_env(tmp_path, monkeypatch)
+    real, looks = loader.ensure_built, []
+
+    def look_then_clean(*args, **kwargs):
+        result = real(*args, **kwargs)
+        looks.append(result.action)
+        if len(looks) == 1:
+            clean(cache)  # another process's `clean`, right after this look
+        return result
+
+    monkeypatch.setattr(loader, "ensure_built", look_then_clean)
+    code, out, err = run_main(capsys, "check", "--arch", "9.0", "--no-build", "--json")
+    record = json.loads(out)["results"][0]
+    assert code == 1 and record["code"] == "not_built", record
+    assert "CorruptEntry" not in out + err and "load_failed" not in out
+
+
+def test_a_lookup_racing_clean_finds_nothing_rather_than_a_corrupt_entry(tmp_path, monkeypatch, capsys, caplog):
+    from adversarial_helpers import run_main
+    from sglang_hicache_jit.prune import clean
+
+    cache = _race_env(tmp_path, monkeypatch)
+    real = BuildCache.check_trust
+
+    def check_then_clean(self, path):  # the entry passes the trust check, then goes before it is read
+        real(self, path)
+        if not self.prebuilt:
+            clean(cache)
+
+    monkeypatch.setattr(BuildCache, "check_trust", check_then_clean)
+    code, out, err = run_main(capsys, "check", "--arch", "9.0", "--no-build", "--json")
+    assert code == 1 and json.loads(out)["results"][0]["code"] == "not_built"
+    assert "failed verification" not in caplog.text and "no manifest.json" not in caplog.text, caplog.text
