@@ -284,8 +284,9 @@ class HostKVPool:
         return torch.where(t >= 0, mapped, t)
 
     def _check_index_pair(self, host_indices, device_indices) -> None:
-        check_index_tensor("host_indices", host_indices)
-        check_index_tensor("device_indices", device_indices)
+        for name, indices in (("host_indices", host_indices), ("device_indices", device_indices)):
+            check_index_tensor(name, indices)
+            check_dense(name, indices)  # the direct path reads them on the CPU
         if host_indices.shape[0] != device_indices.shape[0]:
             raise ValueError(f"host_indices has {host_indices.shape[0]} entries but device_indices has "
                              f"{device_indices.shape[0]}; they must have the same length")

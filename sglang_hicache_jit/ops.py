@@ -405,21 +405,28 @@ def _device_of(*sides) -> int:
     return devices.pop()
 
 
+def _check_strided(name: str, t: torch.Tensor) -> None:
+    # Sparse and nested tensors otherwise fail deep inside torch without naming the argument.
+    if t.layout != torch.strided or getattr(t, "is_nested", False):
+        kind = "nested" if getattr(t, "is_nested", False) else str(t.layout).split(".")[-1]
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} tensor")
+
+
 def check_dense(name: str, t: torch.Tensor) -> None:
-    """``t`` holds its elements in memory (strided layout, not a meta tensor): sparse and meta
-    tensors otherwise fail deep inside torch (NotImplementedError, RuntimeError) without naming
-    the argument."""
-    if t.layout != torch.strided or t.is_meta or getattr(t, "is_nested", False):
-        kind = "meta" if t.is_meta else "nested" if getattr(t, "is_nested", False) else str(t.layout).split(".")[-1]
-        raise TypeError(f"{name} must be a dense tensor with data (strided, on the CPU or a GPU), got a {kind} "
-                        "tensor")
+    """``t`` holds its elements in memory: a dense (strided) tensor, not a meta tensor. For the
+    pools and their allocator, whose CPU-side work (``.to('cpu')``, copies) raised
+    NotImplementedError or RuntimeError from inside torch for those; the ops refuse a meta
+    tensor by its device."""
+    _check_strided(name, t)
+    if t.is_meta:
+        raise ValueError(f"{name} must be on the CPU or a GPU, got a meta tensor (it holds no data)")
 
 
 def check_index_tensor(name: str, idx) -> None:
     """The index contract shared by every path: a dense 1-D int32 or int64 tensor."""
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(idx).__name__}")
-    check_dense(name, idx)
+    _check_strided(name, idx)
     if idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
     if idx.dim() != 1:
