@@ -220,7 +220,7 @@ def find_entry(spec: BuildSpec, key: str | None, toolkit: str | None, cache: Bui
 def ensure_built(archs: tuple[Arch, ...], *, build: bool = True, retry_failed: bool = False,
                  hash_library: bool = True) -> BuildResult:
     """Makes sure a verified entry exists for ``archs``; builds it when needed and allowed.
-    hash_library=False leaves the library's sha256 to a caller that loads it (see load_archs)."""
+    hash_library=False leaves the library's sha256 to a caller that loads it (see _load)."""
     started = time.time()
     # Settings a build needs, read before anything is created (a bad one leaves nothing behind).
     settings.lock_timeout(), settings.build_jobs()
@@ -369,9 +369,16 @@ def load_entry(entry: Entry, archs: tuple[Arch, ...]) -> KernelLibrary:
 
 
 def load_archs(archs: tuple[Arch, ...], build: bool = True) -> KernelLibrary:
+    """The library for exactly ``archs`` (no GPU involved), loaded the way load_kernels loads it:
+    an entry removed or replaced between the look and the load (a prune, a clean or a rebuild by
+    another process) is looked for again, so with build=False it ends as NotBuiltError, never as
+    a CorruptEntry (`check --arch`)."""
+    return _load(archs, build)
+
+
+def _load(archs: tuple[Arch, ...], build: bool) -> KernelLibrary:
     """ensure_built + load_entry, looking again when the entry vanished or changed in between
-    (a prune, a clean or a rebuild by another process): an entry removed meanwhile ends as
-    NotBuiltError when build=False, never as a CorruptEntry."""
+    (a prune or a rebuild by another process)."""
     problem = None
     for attempt in range(3):
         # load_entry hashes the library on the descriptor it loads, so the first look leaves the
@@ -414,7 +421,7 @@ def load_kernels(arch: str | None = None, *, device: int | None = None, build: b
         if capability is not None and not any(a.runs_on(capability) for a in archs):
             library = _load_for_gpu(archs, source, capability, device, build)
         else:
-            library = load_archs(archs, build)
+            library = _load(archs, build)
         if capability is not None and not library.supports(capability):
             raise ArchUnsupportedError(
                 f"The library {library.path} has no machine code for compute capability "
@@ -441,7 +448,7 @@ def _load_for_gpu(archs: tuple[Arch, ...], source: str, capability: tuple[int, i
                                    f"{gpu}).", f"pass an arch list that includes {gpu}, or leave arch unset.")
     log.warning("%s; using a build for %s instead", problem, gpu)
     try:
-        return load_archs((gpu,), build)
+        return _load((gpu,), build)
     except HicacheJitError as exc:
         raise ArchUnsupportedError(
             f"{problem}, and a build for {gpu} cannot be had here: {exc.reason}",
