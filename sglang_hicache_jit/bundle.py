@@ -457,7 +457,7 @@ def import_bundle(source: str, into: str | Path | None = None) -> BundleReport:
             report = import_bundle(str(local), into)
             report.path = source
             return report
-    path = settings.user_path("BUNDLE", source)
+    path = settings.user_path("bundle", source)
     cache = _into_cache(into) if into is not None else BuildCache(settings.cache_root())
     toolkit = find_toolkit()
     local_toolkit = toolkit.identity if toolkit else None

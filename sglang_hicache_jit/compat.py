@@ -32,6 +32,7 @@ more:
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 
 import torch
@@ -312,16 +313,18 @@ def _check_pages(name: str, t, shape: str, dims: int, kv_dim: int | None = None)
     if t.ndim != dims:
         raise ValueError(f"{name}: expected {shape}, got shape {tuple(t.shape)}")
     if any(d <= 0 for d in t.shape[1:]) or (kv_dim is not None and t.shape[kv_dim] != 2):
-        raise ValueError(f"{name}: page dimensions must be positive{' and the K/V dimension must be 2' if kv_dim else ''}, "
-                         f"got shape {tuple(t.shape)}")
+        kv = " and the K/V dimension must be 2" if kv_dim is not None else ""
+        raise ValueError(f"{name}: page dimensions must be positive{kv}, got shape {tuple(t.shape)}")
 
 
 def _check_layer_id(layer_id, layers: int) -> int:
-    if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-        raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
-    if not 0 <= layer_id < layers:
-        raise ValueError(f"layer_id {layer_id} is out of range for a host pool of {layers} layers")
-    return layer_id
+    try:
+        layer = operator.index(layer_id)
+    except TypeError:
+        raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}") from None
+    if not 0 <= layer < layers:
+        raise ValueError(f"layer_id {layer} is out of range for a host pool of {layers} layers")
+    return layer
 
 
 def _check_page_unified_src(src: torch.Tensor) -> None:
@@ -346,7 +349,7 @@ def transfer_hicache_one_layer_page_unified_lf(
     _check_pages("src", src, _MHA_PAGES, 7, kv_dim=3)
     _check_page_unified_src(src)
     _, groups, layers, _, page_size, heads_in_group, dim = src.shape
-    _check_layer_id(layer_id, layers)
+    layer_id = _check_layer_id(layer_id, layers)
     ops.check_index_tensor("src_indices", src_indices)
     group_elems = heads_in_group * dim
     flat = src.view(-1, group_elems)
@@ -376,7 +379,7 @@ def transfer_hicache_one_layer_mla_page_unified_lf(
     _check_pages("src", src, _MLA_PAGES, 4)
     _check_page_unified_src(src)
     _, layers, page_size, dim = src.shape
-    _check_layer_id(layer_id, layers)
+    layer_id = _check_layer_id(layer_id, layers)
     ops.check_index_tensor("src_indices", src_indices)
     if not isinstance(cache_dst, torch.Tensor):
         raise TypeError(f"cache_dst must be a torch.Tensor, got {type(cache_dst).__name__}")
@@ -396,7 +399,8 @@ def _check_page_unified_write_back(staging, dst, src_pages, dst_pages) -> None:
     if not staging.is_cuda:
         raise ValueError(f"staging must be a CUDA tensor, got device {staging.device}")
     if dst.device.type != "cpu" or not dst.is_pinned():
-        raise ValueError(f"dst must be pinned CPU memory, got {'pageable CPU memory' if dst.device.type == 'cpu' else dst.device}")
+        got = "pageable CPU memory" if dst.device.type == "cpu" else f"device {dst.device}"
+        raise ValueError(f"dst must be pinned CPU memory, got {got}")
     if staging.shape[0] == 0:
         raise ValueError("staging must hold at least one page")
     ops.check_index_tensor("src_pages", src_pages)

@@ -174,8 +174,9 @@ class HostKVPool:
         self.row_bytes = math.prod(self.row_shape) * first.element_size()
         nbytes = self.size * self.layer_num * self.row_bytes * self.num_caches
         if nbytes >= 1 << 63:  # past what a tensor can address (torch raised an overflow RuntimeError)
-            raise ValueError(f"size ({size} token slots) is too large: {self.layer_num} layers of {self.row_bytes}-byte "
-                             f"rows{' for K and V' if self.num_caches == 2 else ''} would take {nbytes} bytes")
+            kv = " for K and V" if self.num_caches == 2 else ""
+            raise ValueError(f"size ({size} token slots) is too large: {self.layer_num} layers of "
+                             f"{self.row_bytes}-byte rows{kv} would take {nbytes} bytes")
         self.device = "cpu"
         self.pin_memory = bool(pin_memory) and first.is_cuda  # pinning only matters with a GPU on the other side
         self.kv_buffer = self._allocate(first.device)
