@@ -185,9 +185,11 @@ _KV = torch.zeros(16, 1, 8)
                                                                           _MLA_PAGES), ValueError, "staging"),
     (lambda: compat.transfer_hicache_all_layer_staged_lf_page_unified(_IDX, _IDX, _IDX, _IDX, _MHA_PAGES,
                                                                       _MHA_PAGES), ValueError, "staging"),
+    (lambda: compat.transfer_hicache_one_layer_mla_page_unified_lf(_CACHE, _MLA_PAGES.to("meta"), _IDX, _IDX, 0),
+     ValueError, "src"),
 ], ids=["set_tuning-str", "set_tuning-float", "tables-count", "pu-layer-str", "pu-layer-range", "pu-layer-neg",
         "pu-src-list", "pu-src-3d", "pu-src-strided", "pu-indices-list", "pu-cache-str", "pu-mha-layer",
-        "pu-mha-kv-dim", "wb-dst-3d", "wb-staging-3d", "wb-staging-cpu"])
+        "pu-mha-kv-dim", "wb-dst-3d", "wb-staging-3d", "wb-staging-cpu", "pu-src-meta"])
 def test_api_errors_name_the_argument(call, error, argument):
     import re
 
