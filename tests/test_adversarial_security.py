@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from adversarial_helpers import NOBODY, as_user, chown_tree, cli_env, make_user, needs_root, public_tmp  # noqa: F401
-from fleet_helpers import ROOT, cli, entry_dirs, env_for, fake_entry, snapshot
+from fleet_helpers import ROOT, entry_dirs, env_for, fake_entry, snapshot
 from sglang_hicache_jit import loader
 from sglang_hicache_jit.arch import parse_arch_list
 from sglang_hicache_jit.bundle import export_bundle, import_bundle
