@@ -34,7 +34,7 @@ def _plural(n: int, one: str, many: str) -> str:
 
 def _bad_option(option: str, value, exc: ValueError, fix: str) -> BadSettingError:
     # A ValueError from parsing an option is the user's input, not a bug: report it like a bad setting.
-    return BadSettingError(f"{option} {value!r}: {exc}.", fix)
+    return BadSettingError(f"{option} {settings.shown(value)}: {exc}.", fix)
 
 
 def _archs_from(text: str | None):

@@ -40,11 +40,17 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in _TRUE
 
 
+def shown(value) -> str:
+    """``value`` as a message shows it: its repr, shortened when long (a message is one line for a
+    person, not a copy of 5000 digits)."""
+    if isinstance(value, str) and len(value) > 80:
+        return f"{value[:40]!r}... ({len(value)} characters)"
+    return repr(value)
+
+
 def bad(name: str, value: str, expected: str, fix: str = "") -> BadSettingError:
-    """The error for a setting (an environment variable or an option) that cannot be used. A long
-    value is shortened: the message is one line for a person, not a copy of 5000 digits."""
-    shown = repr(value) if len(value) <= 80 else f"{value[:40]!r}... ({len(value)} characters)"
-    return BadSettingError(f"{name}={shown} cannot be used: {expected}.", fix or f"correct or unset {name}.")
+    """The error for a setting (an environment variable or an option) that cannot be used."""
+    return BadSettingError(f"{name}={shown(value)} cannot be used: {expected}.", fix or f"correct or unset {name}.")
 
 
 def user_path(name: str, text: str) -> Path:
@@ -275,14 +281,14 @@ def parse_size(text: str) -> int:
     """'500M', '10G', '1.5GiB', '4096' -> bytes (K/M/G/T are powers of 1024, as du and df count)."""
     match = re.match(_SIZE, str(text))
     if not match:
-        raise ValueError(f"{text!r} is not a size; write it like 500M, 10G or 1.5T (or a number of bytes)")
+        raise ValueError(f"{shown(text)} is not a size; write it like 500M, 10G or 1.5T (or a number of bytes)")
     number, unit, _ = match.groups()
     # Decimal, not float: a number of 400 digits must be refused, not become inf (OverflowError).
     from decimal import Decimal  # here, not at import: decimal costs ~1.3 ms of every warm load
 
     size = int(Decimal(number) * 1024 ** " kmgt".index(unit.lower() or " "))
     if size > MAX_SIZE:
-        raise ValueError(f"{text!r} is larger than 1 EiB; write a size like 500M, 10G or 1.5T")
+        raise ValueError(f"{shown(text)} is larger than 1 EiB; write a size like 500M, 10G or 1.5T")
     return size
 
 
