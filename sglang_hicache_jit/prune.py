@@ -57,6 +57,7 @@ from .spec import KERNEL, LAYOUT_VERSION
 log = logging.getLogger("sglang_hicache_jit")
 
 _DAY = 86400.0
+_MAX_PID = (1 << 31) - 1  # pid_t is a signed 32-bit int
 
 
 @dataclass
@@ -96,9 +97,11 @@ def _pid_alive(pid: int) -> bool:
 def _staging_owner(name: str) -> tuple[str, str, int] | None:
     """'<entry>.<host>.<pid>.<random>' -> (entry, host, pid); hosts may contain dots."""
     parts = name.split(".")
-    if len(parts) < 4 or not parts[-2].isdigit():
-        return None
-    return parts[0], ".".join(parts[1:-2]), int(parts[-2])
+    # The settings' whole-number reader: '²' passes str.isdigit and then fails int().
+    pid = settings.whole_number(parts[-2], 1, _MAX_PID) if len(parts) >= 4 else None
+    if pid is None:
+        return None  # not a name this package gives
+    return parts[0], ".".join(parts[1:-2]), pid
 
 
 def _entry_locks(cache: BuildCache, entry_name: str) -> list[Path]:

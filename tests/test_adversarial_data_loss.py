@@ -288,3 +288,16 @@ def test_d2_bench_refuses_an_output_that_is_not_a_regular_file(cache, tmp_path, 
     assert code == 2  # before the benchmark (and before its GPU check): nothing ran
     st = os.lstat(path)
     assert (st.st_mode, st.st_rdev, st.st_ino) == before
+
+
+@pytest.mark.parametrize("pid", ["²", "9" * 200])
+def test_a_staging_name_with_odd_digits_is_not_ours_and_breaks_nothing(cache, capsys, pid):
+    """A staging directory whose pid part passes str.isdigit but not int() ('²'): prune and clean
+    raised ValueError (the same class as issue 18's T3/T4); now it is not a name this package gives."""
+    fake_entry(cache)
+    odd = cache.layout_root / ".staging" / f"hicache_transfer-{'0' * 16}.host.{pid}.abcd"
+    odd.mkdir(parents=True)
+    for args in (("prune",), ("clean",)):
+        code, out, err = run_main(capsys, *args)
+        assert code == 0 and "Traceback" not in err, err
+    assert odd.is_dir()  # not a name this package gives: kept
