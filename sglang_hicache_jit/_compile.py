@@ -64,7 +64,9 @@ def write_ninja(request: dict) -> str:
     lines += [f"build {_path(request['library'])}: run {objects}", f"  cmd = {_command(request['link'])}", "",
               f"default {_path(request['library'])}", ""]
     path = os.path.join(request["build_dir"], "build.ninja")
-    with open(path, "w") as f:
+    # Paths and $CC come from the environment as bytes, decoded with surrogateescape (a non-UTF-8 byte
+    # is a lone surrogate); encoding the same way writes back exactly those bytes.
+    with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
         f.write("\n".join(lines))
     return path
 

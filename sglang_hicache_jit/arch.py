@@ -31,6 +31,7 @@ MAX_ARCHS = 16
 
 _ARCH_PATTERN = r"^(?:sm_?|compute_?)?(\d+)(?:\.(\d))?([af]?)(\+ptx)?$"
 _ARCH_RE = None  # compiled at the first arch that is not plain 'M.m' (compiling costs 0.2 ms of a warm load)
+MAX_MAJOR = 99  # compute capability majors are one or two digits (12.0 is sm_120)
 
 
 # Records on the warm path are collections.namedtuple subclasses (immutable, hashable, ordered by
@@ -79,17 +80,23 @@ def parse_arch(text: str) -> Arch:
     if _ARCH_RE is None:
         _ARCH_RE = re.compile(_ARCH_PATTERN, re.IGNORECASE)
     match = _ARCH_RE.match(text)
+    shown = settings.shown(text)
     if not match:
         raise ValueError(
-            f"arch {text!r} is not a compute capability; expected forms like '9.0', '9.0a', "
+            f"arch {shown} is not a compute capability; expected forms like '9.0', '9.0a', "
             "'sm_90' or '8.0+PTX'"
         )
     digits, minor, suffix, ptx = match.groups()
     if minor is None:  # '90' or 'sm_90': the last digit is the minor version
         if len(digits) < 2:
-            raise ValueError(f"arch {text!r} is ambiguous; write it as major.minor, e.g. '9.0'")
+            raise ValueError(f"arch {shown} is ambiguous; write it as major.minor, e.g. '9.0'")
         digits, minor = digits[:-1], digits[-1]
-    return Arch(int(digits), int(minor), suffix.lower(), bool(ptx))
+    # The settings' whole-number reader: a major of 5000 digits is no arch (int() raised at 4300 digits,
+    # and a major of 4000 digits was accepted).
+    major = settings.whole_number(digits, 0, MAX_MAJOR)
+    if major is None:
+        raise ValueError(f"arch {shown} is not a compute capability: the major version must be at most {MAX_MAJOR}")
+    return Arch(major, int(minor), suffix.lower(), bool(ptx))
 
 
 def parse_arch_list(text: str) -> tuple[Arch, ...]:
@@ -137,7 +144,7 @@ def resolve_archs(arch: str | tuple[Arch, ...] | None = None, device: int | None
         try:
             return parse_arch_list(value), variable
         except ValueError as exc:
-            raise BadSettingError(f"{variable}={value!r}: {exc}.", f"correct or unset {variable}.") from None
+            raise BadSettingError(f"{variable}={settings.shown(value)}: {exc}.", f"correct or unset {variable}.") from None
     capability = current_gpu_capability(device)
     if capability is None:
         raise NoArchError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import io
 import json
 import logging
 import signal
@@ -25,8 +26,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import bench_upstream
+from . import bench_upstream, safeio, settings
 from .bench_upstream import Unavailable
+from .errors import BadSettingError
 
 WORKLOADS = {
     # name: (caches per layer, row bytes)
@@ -641,7 +643,9 @@ def plot(records: list[dict], path: str) -> None:
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)))
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    safeio.write_output(settings.user_path("--plot", path), png.getvalue(), "--plot")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -694,6 +698,12 @@ def run_parsed(args) -> int:
     try:
         for name in args.providers or []:
             check_provider(name)
+        for option, path in (("--json", args.json), ("--plot", args.plot)):
+            if path:  # before the benchmark runs, not after: a FIFO or device there is never replaced
+                safeio.check_output(settings.user_path(option, path), option)
+    except BadSettingError as exc:
+        print(f"error: [{exc.code}] {exc.reason} (fix: {exc.fix})", file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"error: [bad_setting] {exc} (fix: see `bench --help` and docs/cli.md for provider names)",
               file=sys.stderr)
@@ -724,9 +734,10 @@ def run_parsed(args) -> int:
     if any(row["upstream"] for row in summary):
         print("\n".join([""] + summary_lines(summary)), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"schema": 1, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "records": records,
-                       "summary": summary}, f, indent=1)
+        document = {"schema": 1, "date": time.strftime("%Y-%m-%d"), "argv": sys.argv, "records": records,
+                    "summary": summary}
+        safeio.write_output(settings.user_path("--json", args.json), json.dumps(document, indent=1).encode(),
+                            "--json")
     if args.plot and args.mode == "transfer":
         try:
             plot(records, args.plot)

@@ -5,7 +5,8 @@ command lines made here (nvcc for the .cu, c++ for the binding, in parallel,
 then the link) with verbose output into the build log and its steps to the
 logger (progress.py), inside a private staging directory. The sources are
 copied there first, so the bytes compiled are the bytes the key was computed
-from.
+from. Every tool also keeps its temporary files there (TMPDIR, see build_env):
+nothing of a build is written to, or read back from, the shared /tmp.
 
 The command lines are written here instead of by torch.utils.cpp_extension:
 importing torch in the child cost 1.5-3 s of a 3 s build on a 2-core machine.
@@ -42,7 +43,7 @@ from .cache import BUILD_LOG, write_manifest
 from .errors import BuildFailedError
 from .progress import follow
 from .spec import BuildSpec
-from .toolchain import BuildTools, torch_root
+from .toolchain import BuildTools, host_cc, tool_env, torch_root
 from . import settings
 
 _COMPILE_SCRIPT = Path(__file__).with_name("_compile.py")
@@ -95,7 +96,8 @@ def build_steps(spec: BuildSpec, name: str, tools: BuildTools, src_dir: Path) ->
         path = str(src_dir / source)
         if source.endswith(".cu"):
             output = f"{Path(source).stem}.cuda.o"
-            ccbin = ["-ccbin", os.environ["CC"]] if os.environ.get("CC") else []  # as torch does
+            cc = host_cc()
+            ccbin = ["-ccbin", cc] if cc else []  # as torch does
             command = [str(tools.toolkit.nvcc), *ccbin, *spec.cuda_flags(), f"-I{src_dir}", "-c", path, "-o", output]
         else:
             output = f"{Path(source).stem}.o"
@@ -108,6 +110,23 @@ def build_steps(spec: BuildSpec, name: str, tools: BuildTools, src_dir: Path) ->
     link = [tools.cxx, *(step["output"] for step in steps), f"-L{torch_dir / 'lib'}", f"-L{cuda_lib}",
             *spec.link_flags(), "-o", f"{name}.so"]
     return steps, link
+
+
+def build_env(tools: BuildTools, staging: Path) -> dict:
+    """The compile's environment: the chosen toolkit and ninja first on PATH, and ``staging/tmp`` as
+    the temporary directory of every tool (toolchain.tool_env). nvcc names its intermediates
+    ``tmpxft_<pid>_...`` (cudafe1.cpp, ptx, cubin, fatbin) in $TMPDIR, /tmp by default, where
+    another user could plant a file to inject code into the library, or a symlink that ptxas writes
+    through. ``staging`` is 0700 in a cache private to this user: nobody else can reach it."""
+    tmp = staging / "tmp"
+    tmp.mkdir(mode=0o700)
+    env = tool_env(tmp)
+    env["CUDA_HOME"] = str(tools.toolkit.home)
+    env["PATH"] = os.pathsep.join([str(Path(tools.ninja).parent), str(tools.toolkit.home / "bin"), env.get("PATH", "")])
+    jobs = settings.build_jobs()
+    if jobs is not None:
+        env["MAX_JOBS"] = str(jobs)
+    return env
 
 
 def compile_entry(spec: BuildSpec, key: str, tools: BuildTools, staging: Path) -> tuple[Path, float]:
@@ -142,13 +161,7 @@ def _compile_entry(spec: BuildSpec, key: str, tools: BuildTools, staging: Path) 
     request_path = staging / "request.json"
     request_path.write_text(json.dumps(request, indent=2))
 
-    env = dict(os.environ)
-    env["CUDA_HOME"] = str(tools.toolkit.home)
-    env["PATH"] = os.pathsep.join([str(Path(tools.ninja).parent), str(tools.toolkit.home / "bin"), env.get("PATH", "")])
-    jobs = settings.build_jobs()
-    if jobs is not None:
-        env["MAX_JOBS"] = str(jobs)
-
+    env = build_env(tools, staging)
     log_path = entry_dir / BUILD_LOG
     started = time.monotonic()
     with open(log_path, "wb") as log:

@@ -97,6 +97,8 @@ def export_bundle(targets: list[tuple], output: str) -> BundleReport:
     ones first) into ``output``, a path or an fsspec URL."""
     from .loader import ensure_built
 
+    if not remote.is_url(output):  # a path that cannot be written is refused before anything is built
+        safeio.check_output(settings.user_path("--output", output), "--output")
     entries: list[Entry] = []
     for archs in targets:
         entries.append(ensure_built(archs, retry_failed=True).entry)
@@ -153,12 +155,13 @@ def _write_tar(files: list[tuple[str, bytes]], output: str) -> None:
             local.write_bytes(payload)
             remote.upload(local, output)
         return
-    target = Path(output).expanduser()
+    target = settings.user_path("--output", output)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         # A random temporary name (O_EXCL) beside the target, then one rename: a link planted at a
-        # guessable name is never written through, and readers never see half a bundle.
-        safeio.write_atomic(target, payload, 0o644)
+        # guessable name is never written through, and readers never see half a bundle. The target
+        # itself must be new or a regular file (a FIFO or /dev/null is not replaced).
+        safeio.write_output(target, payload, "--output")
     except OSError as exc:
         raise write_error(exc, f"the bundle {target}", "choose an output path in a writable directory with "
                           "free space.") from None
@@ -406,7 +409,7 @@ def _check_unpacked(entry_dir: Path, record: dict, key: str, staging: Path) -> N
 
 
 def _into_cache(into: str | Path) -> BuildCache:
-    path = Path(into).expanduser()
+    path = settings.user_path("--into", str(into))
     if path.exists() and not path.is_dir():
         raise BadSettingError(f"--into {str(path)!r} is a file, not a directory.",
                               "name a directory (it is created if missing), e.g. --into /opt/hicache-prebuilt.")
@@ -454,7 +457,7 @@ def import_bundle(source: str, into: str | Path | None = None) -> BundleReport:
             report = import_bundle(str(local), into)
             report.path = source
             return report
-    path = Path(source).expanduser()
+    path = settings.user_path("bundle", source)
     cache = _into_cache(into) if into is not None else BuildCache(settings.cache_root())
     toolkit = find_toolkit()
     local_toolkit = toolkit.identity if toolkit else None

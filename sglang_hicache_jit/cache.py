@@ -430,7 +430,7 @@ class BuildCache:
             if not self.root.is_dir():
                 raise BadSettingError(f"{self.setting}={str(self.root)!r} is a file, not a directory.",
                                       f"point {self.setting} at a directory.")
-            trust.check_path(self.root, prebuilt=False)
+            self.check_safe()
         try:
             if self.layout_root.is_dir() and not is_marked(self.layout_root):
                 if not _only_our_names(self.layout_root):
@@ -446,6 +446,15 @@ class BuildCache:
                                     0o644 if self.shared else 0o600)
         except OSError as exc:
             raise write_error(exc, f"the cache directory {self.root} ({self.setting})") from None
+
+    def check_safe(self) -> None:
+        """The trust rule (trust.py) that every reader and writer of this cache applies before it
+        looks inside: the root and the layout directory, where they exist, owned by this user (for
+        a prebuilt layer: root, this user or a trusted owner) and writable by nobody else.
+        UnsafeCacheError otherwise: the loader will not load from such a cache, and clean, prune,
+        import and builds will not change it (another user's `clean` emptied a world-writable
+        cache that the loader refused)."""
+        trust.check_chain(self.root, self.layout_root, prebuilt=self.prebuilt)
 
     # ---- paths -------------------------------------------------------------
     def arch_dir(self, arch_tag: str) -> Path:
@@ -490,7 +499,12 @@ class BuildCache:
         if not path.exists():
             return None
         self.check_trust(path)
-        return self._entry(verify_entry(path, key=key, hash_library=hash_library))
+        try:
+            return self._entry(verify_entry(path, key=key, hash_library=hash_library))
+        except CorruptEntry:
+            if not os.path.lexists(path):  # removed while read (a clean or prune): absent, not corrupt
+                return None
+            raise
 
     def find_abi(self, arch_tag: str, kernel: str, abi_key: str, local_toolkit: str | None = None
                  ) -> Entry | None:
@@ -616,7 +630,9 @@ class BuildCache:
 
     def read_failure(self, arch_tag: str, kernel: str, key: str) -> dict | None:
         """The failure record, or None when there is none or it is malformed
-        (a record that cannot be read must not block builds; prune removes it)."""
+        (a record that cannot be read must not block builds; prune removes it). UnsafeCacheError
+        for an untrusted cache: a record planted there must not decide anything."""
+        self.check_safe()
         path = self.failure_path(arch_tag, kernel, key)
         try:
             record = json.loads(safeio.read_regular(path, MAX_RECORD_BYTES))

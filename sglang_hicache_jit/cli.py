@@ -34,7 +34,7 @@ def _plural(n: int, one: str, many: str) -> str:
 
 def _bad_option(option: str, value, exc: ValueError, fix: str) -> BadSettingError:
     # A ValueError from parsing an option is the user's input, not a bug: report it like a bad setting.
-    return BadSettingError(f"{option} {value!r}: {exc}.", fix)
+    return BadSettingError(f"{option} {settings.shown(value)}: {exc}.", fix)
 
 
 def _archs_from(text: str | None):
@@ -98,13 +98,14 @@ def _check_gpu(args) -> list[dict]:
 
 
 def _check_archs(args) -> list[dict]:
-    from .loader import ensure_built, load_entry
+    from .loader import load_archs
 
     records = []
     for archs in _archs_from(args.arch):
         try:
-            result = ensure_built(archs, build=not args.no_build)
-            library = load_entry(result.entry, archs)
+            # As load_kernels does: an entry removed between the look and the load (a clean racing
+            # this check) is looked for again, and is then "not built", not a corrupt entry.
+            library = load_archs(archs, build=not args.no_build)
             records.append(_check_record(_label(archs), reason=f"built and loadable: {library.path}",
                                          library=str(library.path)))
         except (BadSettingError, CacheWriteError):
@@ -184,7 +185,7 @@ def _info() -> dict:
     info["settings"] = settings.effective()
     # In the loader's order: local prebuilt layers, the writable cache, then remote layers.
     prebuilt = settings.prebuilt_dirs()
-    layers = [_layer_record("prebuilt", p, BuildCache(Path(p).expanduser(), prebuilt=True))
+    layers = [_layer_record("prebuilt", p, BuildCache(Path(p), prebuilt=True))
               for p in prebuilt if not remote.is_url(p)]
     layers.append(_layer_record("cache", str(settings.cache_root()), BuildCache(settings.cache_root())))
     layers += [_layer_record("remote", p) for p in prebuilt if remote.is_url(p)]
@@ -192,7 +193,7 @@ def _info() -> dict:
     info["target"] = _target()
     from .integrations.sglang import describe
 
-    info["sglang_plugin"] = describe()
+    info["sglang_plugin"] = describe()  # a switch that is neither on nor off: its line says so
     return info
 
 
@@ -204,8 +205,8 @@ def _format_setting(s: dict) -> str:
         return f"{s['default']}  (default)"
     if isinstance(value, bool):
         value = "on" if value else "off"
-    elif isinstance(value, list):
-        value = ":".join(value)
+    elif isinstance(value, list):  # layers (paths) or trusted owners (uids)
+        value = ":".join(map(str, value))
     return f"{value}  ({s['source']})"
 
 
@@ -493,6 +494,11 @@ def expected_error(exc: BaseException) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_numpy_warning()
+    for stream in (sys.stdout, sys.stderr):
+        # A path or variable with non-UTF-8 bytes (a lone surrogate in Python) is printed escaped,
+        # never as a UnicodeEncodeError in the middle of a report.
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)

@@ -32,6 +32,7 @@ more:
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 
 import torch
@@ -47,18 +48,21 @@ def _available(element_size) -> bool:
     """The probe's verdict for rows of ``element_size`` bytes; never raises."""
     if isinstance(element_size, bool) or not isinstance(element_size, int):
         return False  # probe(None) would ask only about the GPU, not about a row
+    # A plain int from here on: an int subclass may override __repr__, __index__ or __eq__ (and raise
+    # from them); int.__index__ is int's own conversion and ignores those.
+    size = int.__index__(element_size)
     try:
-        result = probe(element_size)
+        result = probe(size)
+        if not result.available:
+            key = (size, result.code)
+            if key not in _warned:
+                _warned.add(key)
+                log.warning("JIT HiCache kernel unavailable for element_size=%d: [%s] %s", size, result.code,
+                            result.reason)
+        return bool(result.available)
     except Exception as exc:  # probe() does not raise; belt and braces for a must-not-raise API
-        log.warning("JIT HiCache kernel probe failed: %s", exc)
+        log.warning("JIT HiCache kernel probe failed: %s: %s", type(exc).__name__, exc)
         return False
-    if not result.available:
-        key = (repr(element_size), result.code)
-        if key not in _warned:
-            _warned.add(key)
-            log.warning("JIT HiCache kernel unavailable for element_size=%r: [%s] %s", element_size, result.code,
-                        result.reason)
-    return result.available
 
 
 def can_use_hicache_jit_kernel(
@@ -283,6 +287,10 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(
 # mapped to its row: page * rows_per_page + offset_in_page, plus a constant
 # (group, layer, K/V) offset folded into the base pointer.
 
+_MHA_PAGES = "(page, head_group, layer, 2, page_size, head_in_group, dim)"
+_MLA_PAGES = "MLA (page, layer, page_size, dim)"
+
+
 def page_unified_rows(pages: torch.Tensor, page_size: int, rows_per_page: int) -> torch.Tensor:
     """Flat host row of each token of ``pages`` (page IDs), offset 0 in a page."""
     offsets = torch.arange(page_size, device=pages.device, dtype=torch.int64)
@@ -295,11 +303,35 @@ def _token_rows(indices: torch.Tensor, page_size: int, rows_per_page: int) -> to
     return torch.where(indices < 0, indices, rows)  # keep the padding convention
 
 
+def _check_pages(name: str, t, shape: str, dims: int, kv_dim: int | None = None) -> None:
+    """``t`` (the argument ``name``) is a page_unified buffer: a tensor of ``dims`` dimensions laid out as
+    ``shape``, every page dimension positive (and 2 at ``kv_dim``: K and V). Upstream's messages, with
+    the argument named."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor laid out as {shape}, got {type(t).__name__}")
+    ops.check_dense(name, t)
+    if t.ndim != dims:
+        raise ValueError(f"{name}: expected {shape}, got shape {tuple(t.shape)}")
+    if any(d <= 0 for d in t.shape[1:]) or (kv_dim is not None and t.shape[kv_dim] != 2):
+        kv = " and the K/V dimension must be 2" if kv_dim is not None else ""
+        raise ValueError(f"{name}: page dimensions must be positive{kv}, got shape {tuple(t.shape)}")
+
+
+def _check_layer_id(layer_id, layers: int) -> int:
+    try:
+        layer = operator.index(layer_id)
+    except TypeError:
+        raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}") from None
+    if not 0 <= layer < layers:
+        raise ValueError(f"layer_id {layer} is out of range for a host pool of {layers} layers")
+    return layer
+
+
 def _check_page_unified_src(src: torch.Tensor) -> None:
     if not src.is_contiguous():
-        raise ValueError("The host pool must be contiguous")
+        raise ValueError("src: the host pool must be contiguous")
     if src.device.type != "cpu" and not src.is_cuda:
-        raise ValueError("Expected a CPU or CUDA-registered host pool")
+        raise ValueError(f"src: expected a CPU or CUDA-registered host pool, got device {src.device}")
 
 
 def transfer_hicache_one_layer_page_unified_lf(
@@ -314,12 +346,11 @@ def transfer_hicache_one_layer_page_unified_lf(
 ) -> None:
     """Load one layer of page_unified MHA host pages into the device K/V
     caches ``(token, head, dim)``. ``src_indices`` are host token indices."""
-    if src.ndim != 7:
-        raise ValueError("Expected (page, head_group, layer, 2, page_size, head_in_group, dim)")
-    if src.shape[3] != 2 or any(d <= 0 for d in src.shape[1:]):
-        raise ValueError("Page dimensions must be positive and the K/V dimension must be 2")
+    _check_pages("src", src, _MHA_PAGES, 7, kv_dim=3)
     _check_page_unified_src(src)
     _, groups, layers, _, page_size, heads_in_group, dim = src.shape
+    layer_id = _check_layer_id(layer_id, layers)
+    ops.check_index_tensor("src_indices", src_indices)
     group_elems = heads_in_group * dim
     flat = src.view(-1, group_elems)
     rows_per_page = groups * layers * 2 * page_size
@@ -345,12 +376,13 @@ def transfer_hicache_one_layer_mla_page_unified_lf(
 ) -> None:
     """Load one layer of page_unified MLA host pages ``(page, layer, page_size,
     dim)`` into the device cache ``(token, 1, dim)``."""
-    if src.ndim != 4:
-        raise ValueError("Expected MLA (page, layer, page_size, dim)")
-    if any(d <= 0 for d in src.shape[1:]):
-        raise ValueError("MLA page dimensions must be positive")
+    _check_pages("src", src, _MLA_PAGES, 4)
     _check_page_unified_src(src)
     _, layers, page_size, dim = src.shape
+    layer_id = _check_layer_id(layer_id, layers)
+    ops.check_index_tensor("src_indices", src_indices)
+    if not isinstance(cache_dst, torch.Tensor):
+        raise TypeError(f"cache_dst must be a torch.Tensor, got {type(cache_dst).__name__}")
     flat = src.view(-1, dim)
     host_rows = _token_rows(src_indices, page_size, layers * page_size)
     ops.transfer_one_layer_mla(cache_dst.view(cache_dst.shape[0], -1), dst_indices, flat[layer_id * page_size:],
@@ -359,15 +391,23 @@ def transfer_hicache_one_layer_mla_page_unified_lf(
 
 def _check_page_unified_write_back(staging, dst, src_pages, dst_pages) -> None:
     if staging.shape[1:] != dst.shape[1:] or staging.dtype != dst.dtype:
-        raise ValueError("Staging and destination must have matching page shapes and dtype")
-    if not staging.is_contiguous() or not dst.is_contiguous():
-        raise ValueError("Staging and destination must be contiguous")
-    if not staging.is_cuda or dst.device.type != "cpu" or not dst.is_pinned():
-        raise ValueError("Expected CUDA staging and a pinned CPU destination")
+        raise ValueError(f"staging and dst must have matching page shapes and dtype, got {tuple(staging.shape)} "
+                         f"{staging.dtype} and {tuple(dst.shape)} {dst.dtype}")
+    for name, t in (("staging", staging), ("dst", dst)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if not staging.is_cuda:
+        raise ValueError(f"staging must be a CUDA tensor, got device {staging.device}")
+    if dst.device.type != "cpu" or not dst.is_pinned():
+        got = "pageable CPU memory" if dst.device.type == "cpu" else f"device {dst.device}"
+        raise ValueError(f"dst must be pinned CPU memory, got {got}")
     if staging.shape[0] == 0:
-        raise ValueError("Staging must hold at least one page")
-    if src_pages.ndim != 1 or dst_pages.ndim != 1 or src_pages.numel() != dst_pages.numel():
-        raise ValueError("Source and destination page IDs must be equal-length vectors")
+        raise ValueError("staging must hold at least one page")
+    ops.check_index_tensor("src_pages", src_pages)
+    ops.check_index_tensor("dst_pages", dst_pages)
+    if src_pages.numel() != dst_pages.numel():
+        raise ValueError(f"src_pages and dst_pages must have the same length, got {src_pages.numel()} and "
+                         f"{dst_pages.numel()}")
 
 
 def _layer_offsets_table(base: int, offsets: list[int], device) -> torch.Tensor:
@@ -389,10 +429,8 @@ def transfer_hicache_all_layer_staged_lf_page_unified(
 ) -> None:
     """Write whole GPU KV pages (every layer) into pinned host pages laid out
     page_unified. ``src_pages`` / ``dst_pages`` are page IDs, not tokens."""
-    if dst.ndim != 7 or staging.ndim != 7:
-        raise ValueError("Expected (page, head_group, layer, 2, page_size, head_in_group, dim)")
-    if dst.shape[3] != 2 or any(d <= 0 for d in dst.shape[1:]):
-        raise ValueError("Page dimensions must be positive and the K/V dimension must be 2")
+    _check_pages("dst", dst, _MHA_PAGES, 7, kv_dim=3)
+    _check_pages("staging", staging, _MHA_PAGES, 7, kv_dim=3)
     _check_page_unified_write_back(staging, dst, src_pages, dst_pages)
     _, groups, layers, _, page_size, heads_in_group, dim = dst.shape
     itemsize = dst.element_size()
@@ -420,10 +458,8 @@ def transfer_hicache_all_layer_mla_staged_lf_page_unified(
 ) -> None:
     """Write whole GPU MLA pages into pinned host pages ``(page, layer,
     page_size, dim)``. ``src_pages`` / ``dst_pages`` are page IDs."""
-    if dst.ndim != 4 or staging.ndim != 4:
-        raise ValueError("Expected MLA (page, layer, page_size, dim)")
-    if any(d <= 0 for d in dst.shape[1:]):
-        raise ValueError("MLA page dimensions must be positive")
+    _check_pages("dst", dst, _MLA_PAGES, 4)
+    _check_pages("staging", staging, _MLA_PAGES, 4)
     _check_page_unified_write_back(staging, dst, src_pages, dst_pages)
     _, layers, page_size, dim = dst.shape
     row_bytes = dim * dst.element_size()

@@ -71,7 +71,8 @@ def _existing_ancestor(path: Path) -> Path:
 def _settings_checks() -> list[Check]:
     problems = []
     for reader in (settings.lock_timeout, settings.build_jobs, settings.method, settings.cache_max_size,
-                   settings.cache_root, settings.lock_dir, settings.trusted_owners):
+                   settings.cache_root, settings.lock_dir, settings.trusted_owners, settings.prebuilt_dirs,
+                   settings.resident_blocks, settings.resident_idle_us, settings.sglang_plugin_enabled):
         try:
             reader()
         except ValueError as exc:  # BadSettingError is one
@@ -115,10 +116,12 @@ def where_available(archs: tuple, toolkit) -> str | None:
     spec = BuildSpec.for_archs(archs)
     identity = toolkit.identity if toolkit else None
     key = spec.key(identity) if identity else None
-    try:
-        layers = prebuilt_layers() + [writable_cache()]
-    except HicacheJitError:  # a bad cache setting: the settings check reports it
-        layers = prebuilt_layers()
+    layers = []
+    for read in (prebuilt_layers, lambda: [writable_cache()]):
+        try:
+            layers += read()
+        except HicacheJitError:  # a bad cache or layer setting: the settings check reports it
+            pass
     for layer in layers:
         try:
             if layer.find(spec.arch_tag, spec.kernel, spec.abi_key, key, identity) is not None:
@@ -157,7 +160,10 @@ def _toolchain_checks(targets: list[tuple], torch_info: dict | None) -> list[Che
     else:
         checks.append(Check("CUDA versions", "skip", "needs nvcc and torch"))
     needed = not all_prebuilt
-    for name, require in (("ninja", toolchain.require_ninja), ("host compiler", toolchain.require_cxx)):
+    requirements = [("ninja", toolchain.require_ninja), ("host compiler", toolchain.require_cxx)]
+    if os.environ.get("CC"):  # nvcc's host compiler, when one is named
+        requirements.append(("CC", toolchain.host_cc))
+    for name, require in requirements:
         try:
             found = require()
             checks.append(_ok(name, found if isinstance(found, str) else f"{found[0]}: {found[1]}"))
@@ -280,7 +286,11 @@ def _layer_checks() -> list[Check]:
     from .cache import BuildCache
 
     checks = []
-    for location in settings.prebuilt_dirs():
+    try:
+        locations = settings.prebuilt_dirs()
+    except HicacheJitError:  # the settings check reports it
+        return checks
+    for location in locations:
         name = f"prebuilt {location}"
         if remote.is_url(location):
             try:
@@ -296,7 +306,7 @@ def _layer_checks() -> list[Check]:
                 checks.append(_problem(name, f"unreachable: {type(exc).__name__}: {exc}",
                                        "check the URL, the credentials and the network."))
             continue
-        layer = BuildCache(Path(location).expanduser(), prebuilt=True)
+        layer = BuildCache(Path(location), prebuilt=True)
         if not layer.root.is_dir():
             checks.append(_problem(name, "is not a directory", f"fix {settings.PREBUILT_DIRS}."))
             continue

@@ -42,7 +42,7 @@ import torch
 
 from . import direct
 from .errors import TransferIndexError
-from .ops import check_index_tensor
+from .ops import check_dense, check_index_tensor
 from .slot_allocator import SlotAllocator
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,8 @@ class HostKVPool:
         for name, value in (("size", size), ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if page_size > size:  # size is rounded up to whole pages: 4 slots of 2**40-slot pages asked for 70 TB
+            raise ValueError(f"page_size ({page_size}) must not exceed size ({size} token slots)")
         if layout not in LAYOUTS:
             raise ValueError(f"Unsupported layout: {layout!r} (choose one of {', '.join(LAYOUTS)})")
         caches = self._device_caches(device_pool)
@@ -157,18 +159,24 @@ class HostKVPool:
                 t = layers[l]
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"device_pool layer {l} must be a torch.Tensor, got {type(t).__name__}")
+                check_dense(f"device_pool layer {l}", t)
                 if (t.dtype, t.shape[1:], t.device) != (first.dtype, first.shape[1:], first.device):
                     raise ValueError(f"device_pool layers must share dtype, row shape and device; layer {l} has "
                                      f"{t.dtype} {tuple(t.shape[1:])} on {t.device}, layer {start} has "
                                      f"{first.dtype} {tuple(first.shape[1:])} on {first.device}")
         self.layout = layout
         self.page_size = page_size
-        self.page_num = math.ceil(size / page_size)
+        self.page_num = -(-size // page_size)  # in integers: a float division loses slots past 2**53
         self.size = self.page_num * page_size
         self.layer_num = end - start
         self.dtype = first.dtype
         self.row_shape = tuple(first.shape[1:])
         self.row_bytes = math.prod(self.row_shape) * first.element_size()
+        nbytes = self.size * self.layer_num * self.row_bytes * self.num_caches
+        if nbytes >= 1 << 63:  # past what a tensor can address (torch raised an overflow RuntimeError)
+            kv = " for K and V" if self.num_caches == 2 else ""
+            raise ValueError(f"size ({size} token slots) is too large: {self.layer_num} layers of "
+                             f"{self.row_bytes}-byte rows{kv} would take {nbytes} bytes")
         self.device = "cpu"
         self.pin_memory = bool(pin_memory) and first.is_cuda  # pinning only matters with a GPU on the other side
         self.kv_buffer = self._allocate(first.device)
@@ -258,6 +266,7 @@ class HostKVPool:
                     got = f"{t.dtype} rows of {tuple(t.shape[1:])}" if isinstance(t, torch.Tensor) else type(t).__name__
                     raise ValueError(f"device_pool does not match this host pool: layer {l} holds {got}, expected "
                                      f"{self.dtype} rows of {self.row_shape}")
+                check_dense(f"device_pool layer {l}", t)
         side = _DeviceSide(caches, owned)
         if len(self._device_sides) >= 4:  # a pool serves one or two device pools; keep the cache small
             self._device_sides.clear()
@@ -276,8 +285,9 @@ class HostKVPool:
         return torch.where(t >= 0, mapped, t)
 
     def _check_index_pair(self, host_indices, device_indices) -> None:
-        check_index_tensor("host_indices", host_indices)
-        check_index_tensor("device_indices", device_indices)
+        for name, indices in (("host_indices", host_indices), ("device_indices", device_indices)):
+            check_index_tensor(name, indices)
+            check_dense(name, indices)  # the direct path reads them on the CPU
         if host_indices.shape[0] != device_indices.shape[0]:
             raise ValueError(f"host_indices has {host_indices.shape[0]} entries but device_indices has "
                              f"{device_indices.shape[0]}; they must have the same length")
@@ -420,6 +430,7 @@ class HostKVPool:
         target = self.kv_buffer[self._page_key(index)]
         if not isinstance(data_page, torch.Tensor):
             raise TypeError(f"data_page must be a torch.Tensor, got {type(data_page).__name__}")
+        check_dense("data_page", data_page)
         if data_page.numel() != target.numel():
             raise ValueError(f"data_page has {data_page.numel()} elements; a page of this pool has {target.numel()}")
         if data_page.dtype != self.dtype:

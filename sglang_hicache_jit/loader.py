@@ -101,7 +101,7 @@ def prebuilt_layers() -> list[BuildCache]:
         return []
     from . import remote
 
-    return [BuildCache(Path(p).expanduser(), prebuilt=True) for p in dirs if not remote.is_url(p)]
+    return [BuildCache(Path(p), prebuilt=True) for p in dirs if not remote.is_url(p)]
 
 
 def remote_layers() -> list[str]:
@@ -366,6 +366,14 @@ def load_entry(entry: Entry, archs: tuple[Arch, ...]) -> KernelLibrary:
             _loaded[name] = library
             touch_used(entry)
     return library
+
+
+def load_archs(archs: tuple[Arch, ...], build: bool = True) -> KernelLibrary:
+    """The library for exactly ``archs`` (no GPU involved), loaded the way load_kernels loads it:
+    an entry removed or replaced between the look and the load (a prune, a clean or a rebuild by
+    another process) is looked for again, so with build=False it ends as NotBuiltError, never as
+    a CorruptEntry (`check --arch`)."""
+    return _load(archs, build)
 
 
 def _load(archs: tuple[Arch, ...], build: bool) -> KernelLibrary:

@@ -51,6 +51,9 @@ def set_tuning(*, bulk_warps: int | None = None, read_align: int | None = None) 
     alignment (16-256 bytes, a power of two); 0 restores the default.
     Returns the previous settings."""
     previous = dict(_tuning)
+    for name, value in (("bulk_warps", bulk_warps), ("read_align", read_align)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int (0 for the default), got {type(value).__name__}")
     if bulk_warps is not None:
         if not 0 <= bulk_warps <= 8:
             raise ValueError(f"bulk_warps must be 0 (default) or 1..8, got {bulk_warps}")
@@ -405,10 +408,28 @@ def _device_of(*sides) -> int:
     return devices.pop()
 
 
+def _check_strided(name: str, t: torch.Tensor) -> None:
+    # Sparse and nested tensors otherwise fail deep inside torch without naming the argument.
+    if t.layout != torch.strided or getattr(t, "is_nested", False):
+        kind = "nested" if getattr(t, "is_nested", False) else str(t.layout).split(".")[-1]
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} tensor")
+
+
+def check_dense(name: str, t: torch.Tensor) -> None:
+    """``t`` holds its elements in memory: a dense (strided) tensor, not a meta tensor. For the
+    pools and their allocator, whose CPU-side work (``.to('cpu')``, copies) raised
+    NotImplementedError or RuntimeError from inside torch for those; the ops refuse a meta
+    tensor by its device."""
+    _check_strided(name, t)
+    if t.is_meta:
+        raise ValueError(f"{name} must be on the CPU or a GPU, got a meta tensor (it holds no data)")
+
+
 def check_index_tensor(name: str, idx) -> None:
-    """The index contract shared by every path: a 1-D int32 or int64 tensor."""
+    """The index contract shared by every path: a dense 1-D int32 or int64 tensor."""
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(idx).__name__}")
+    _check_strided(name, idx)
     if idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
     if idx.dim() != 1:
@@ -855,7 +876,8 @@ def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *,
     dst = tables_dst if isinstance(tables_dst, tuple) else (tables_dst,)
     src = tables_src if isinstance(tables_src, tuple) else (tables_src,)
     if len(dst) != len(src) or len(dst) not in (1, 2):
-        raise ValueError("pass one table per cache on both sides: (k, v) for MHA or one table for MLA")
+        raise ValueError(f"tables_dst and tables_src must each be one table per cache, (k, v) for MHA or one "
+                         f"table for MLA; got {len(dst)} and {len(src)}")
     # The integers first, on every call: a plan found by key would otherwise
     # accept True for 1 (equal and of equal hash).
     if not (type(element_size) is int and type(dst_stride_bytes) is int and type(src_stride_bytes) is int

@@ -22,7 +22,9 @@ Only what this package provably created is ever deleted: layout directories
 carrying its marker (cache.LAYOUT_MARKER), and inside them only names of the
 forms it gives (arch tags, entry names, failure records, its own staging and
 trash directories). A cache root pointed at a directory with someone else's
-``v2/`` keeps it.
+``v2/`` keeps it. And only in a cache the loader would trust (BuildCache.check_safe):
+a cache owned by another user, or one that other users can write to, raises
+``unsafe_cache`` and loses nothing.
 
 ``clean`` (the ``clean`` command) removes every entry, failure record and
 leftover the same way, with the same locks: it skips entries being built and
@@ -55,6 +57,7 @@ from .spec import KERNEL, LAYOUT_VERSION
 log = logging.getLogger("sglang_hicache_jit")
 
 _DAY = 86400.0
+_MAX_PID = (1 << 31) - 1  # pid_t is a signed 32-bit int
 
 
 @dataclass
@@ -94,9 +97,11 @@ def _pid_alive(pid: int) -> bool:
 def _staging_owner(name: str) -> tuple[str, str, int] | None:
     """'<entry>.<host>.<pid>.<random>' -> (entry, host, pid); hosts may contain dots."""
     parts = name.split(".")
-    if len(parts) < 4 or not parts[-2].isdigit():
-        return None
-    return parts[0], ".".join(parts[1:-2]), int(parts[-2])
+    # The settings' whole-number reader: '²' passes str.isdigit and then fails int().
+    pid = settings.whole_number(parts[-2], 1, _MAX_PID) if len(parts) >= 4 else None
+    if pid is None:
+        return None  # not a name this package gives
+    return parts[0], ".".join(parts[1:-2]), pid
 
 
 def _entry_locks(cache: BuildCache, entry_name: str) -> list[Path]:
@@ -312,6 +317,7 @@ def prune(cache: BuildCache, *, max_size: int | None = None, older_than_days: fl
     """Removes what the module docstring lists; returns what was removed and what was skipped."""
     assert not cache.prebuilt, "a prebuilt layer is never pruned"
     _check_days(older_than_days)
+    cache.check_safe()  # the loader's trust rule: an untrusted cache is refused, never cleaned up
     now = time.time() if now is None else now
     report = PruneReport()
     if stale:
@@ -397,6 +403,7 @@ def clean(cache: BuildCache, *, failed_only: bool = False) -> PruneReport:
     skipping an entry being built and the staging directory of a live builder
     or importer. Only in a layout directory this package made."""
     assert not cache.prebuilt, "a prebuilt layer is never cleaned"
+    cache.check_safe()  # another user's world-writable (or foreign) cache: refused, as the loader refuses it
     report = PruneReport()
     if not _owned(cache):
         return report

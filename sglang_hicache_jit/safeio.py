@@ -11,6 +11,12 @@ Writes go to a fresh temporary file in the target's directory (``tempfile``:
 a random name, O_EXCL, mode 0600) that replaces the target by ``os.replace``.
 A symlink planted at the target or at a guessable temporary name is replaced,
 never followed.
+
+A file a user names for a command to write (``export -o``, ``bench --json``,
+``--plot``) goes through ``write_output``: the rename would replace whatever
+node is at that path, so anything there that is not a regular file (a FIFO,
+a device, a socket, a directory, a symlink) is refused (as root, ``-o
+/dev/null`` replaced the real /dev/null with a bundle).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+
+from .errors import BadSettingError
 
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -69,15 +77,18 @@ def read_regular(path: Path | str, limit: int) -> bytes:
     return data
 
 
-def write_atomic(path: Path | str, data: bytes, mode: int = 0o600) -> None:
+def write_atomic(path: Path | str, data: bytes, mode: int = 0o600, *, check=None) -> None:
     """Writes ``data`` to ``path`` through a random temporary file in the same
-    directory, then one rename: readers see the old or the new file, whole."""
+    directory, then one rename: readers see the old or the new file, whole.
+    ``check(path)``, when given, runs again just before the rename."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             os.fchmod(f.fileno(), mode)
+        if check is not None:
+            check(path)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -85,3 +96,31 @@ def write_atomic(path: Path | str, data: bytes, mode: int = 0o600) -> None:
         except OSError:
             pass
         raise
+
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_output(path: Path | str, option: str) -> Path:
+    """``path``, named by ``option``, when a command may write it: a new path or an existing regular
+    file. Anything else there raises BadSettingError naming the option (see the module docstring).
+    Callers check before their work (a build, a benchmark), and write_output checks again."""
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except OSError:  # absent (a new file), or unreachable: the write itself reports that
+        return path
+    if stat.S_ISREG(st.st_mode):
+        return path
+    kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+    raise BadSettingError(f"{option} {str(path)!r} is {kind}; it must be a new path or a regular file (writing "
+                          f"would replace the {kind.split()[-1]} with a regular file).",
+                          f"name a new file (or a regular file to replace) for {option}.")
+
+
+def write_output(path: Path | str, data: bytes, option: str, mode: int = 0o644) -> None:
+    """Writes a file the user named with ``option``: checked (check_output) before and again just before
+    the rename, written atomically (write_atomic)."""
+    check_output(path, option)
+    write_atomic(path, data, mode, check=lambda p: check_output(p, option))

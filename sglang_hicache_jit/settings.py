@@ -42,9 +42,29 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in _TRUE
 
 
+def shown(value) -> str:
+    """``value`` as a message shows it: its repr, shortened when long (a message is one line for a
+    person, not a copy of 5000 digits)."""
+    if isinstance(value, str) and len(value) > 80:
+        return f"{value[:40]!r}... ({len(value)} characters)"
+    return repr(value)
+
+
 def bad(name: str, value: str, expected: str, fix: str = "") -> BadSettingError:
     """The error for a setting (an environment variable or an option) that cannot be used."""
-    return BadSettingError(f"{name}={value!r} cannot be used: {expected}.", fix or f"correct or unset {name}.")
+    return BadSettingError(f"{name}={shown(value)} cannot be used: {expected}.", fix or f"correct or unset {name}.")
+
+
+def user_path(name: str, text: str) -> Path:
+    """``text`` (named by the setting or option ``name``) as a Path with ``~`` and ``~user`` expanded.
+    A ``~user`` that is not a user here (or ``~`` without a home) is a bad setting, not pathlib's
+    RuntimeError, which every command used to end in."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        user = text.split("/", 1)[0]
+        raise bad(name, text, f"{user} names no user with a home directory here",
+                  f"write the full path in {name}.") from None
 
 
 # Kernel pseudo-filesystems: nothing can be created there, and a cache there makes no sense.
@@ -71,7 +91,7 @@ def cache_root() -> Path:
     """Root of the writable build cache."""
     explicit = os.environ.get(CACHE_DIR, "").strip()
     if explicit:
-        return check_directory(CACHE_DIR, Path(explicit).expanduser())
+        return check_directory(CACHE_DIR, user_path(CACHE_DIR, explicit))
     if sys.platform.startswith("linux"):
         # platformdirs' rule for Linux, without importing it: the import alone costs ~2.7 ms, more
         # than half of the 5 ms a whole warm load may take (issue 10).
@@ -97,9 +117,22 @@ def disabled() -> bool:
     return _flag(DISABLE)
 
 
+_FALSE = {"0", "false", "no", "off"}
+
+
 def sglang_plugin_enabled() -> bool:
-    """SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0 leaves SGLang exactly as it is (the plugin patches nothing)."""
-    return os.environ.get(SGLANG_PLUGIN, "1").strip().lower() not in {"0", "false", "no", "off"}
+    """SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0 leaves SGLang exactly as it is (the plugin patches nothing).
+    Anything but on (unset, 1, true, yes, on) or off (0, false, no, off) raises BadSettingError:
+    'disable' or '2' used to leave the plugin on without a word. The plugin's register() turns that
+    into "plugin not active" with the reason at WARNING (it never stops SGLang); info and doctor
+    show the setting as invalid."""
+    value = os.environ.get(SGLANG_PLUGIN, "").strip().lower()
+    if not value or value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise bad(SGLANG_PLUGIN, os.environ[SGLANG_PLUGIN], "it must be 1 (on) or 0 (off); true/false, yes/no and "
+              "on/off also work", f"set {SGLANG_PLUGIN}=0 to leave SGLang unchanged, or unset it.")
 
 
 def sglang_block_quota() -> int | None:
@@ -128,14 +161,30 @@ def method() -> str:
     return value
 
 
+def whole_number(text: str, low: int, high: int) -> int | None:
+    """``text`` as a whole number from ``low`` to ``high``, else None. The one reader of every integer
+    setting (and of cuda.h's version): plain ASCII digits only (no sign, '_', space, or another
+    script's digits such as '²', which str.isdigit accepts and int() refuses), and the length is
+    checked before int(), so 5000 digits are out of range rather than Python's int-string limit
+    (a ValueError from inside int())."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(high)):
+        return None
+    number = int(digits)
+    return number if low <= number <= high else None
+
+
 def _whole_number(name: str, default, low: int, high: int):
-    """The whole number in ``name`` (plain ASCII digits: no sign, no '_'), or ``default`` when unset."""
+    """The whole number in the variable ``name`` (see whole_number), or ``default`` when it is unset."""
     value = os.environ.get(name, "").strip()
     if not value:
         return default
-    if not (value.isascii() and value.isdigit()) or not low <= int(value) <= high:
+    number = whole_number(value, low, high)
+    if number is None:
         raise bad(name, value, f"it must be a whole number from {low} to {high}")
-    return int(value)
+    return number
 
 
 def resident_blocks() -> int:
@@ -190,14 +239,19 @@ def split_path_list(text: str) -> list[str]:
 
 
 def prebuilt_dirs() -> list[str]:
-    """Read-only prebuilt layers (directories or fsspec URLs), searched in order before the cache."""
-    return split_path_list(os.environ.get(PREBUILT_DIRS, ""))
+    """Read-only prebuilt layers (directories, '~' expanded, or fsspec URLs), searched in order before the cache."""
+    return [str(user_path(PREBUILT_DIRS, item)) if item.startswith("~") else item
+            for item in split_path_list(os.environ.get(PREBUILT_DIRS, ""))]
 
 
 def lock_dir() -> Path | None:
     """Where build locks live when not inside the cache (a node-local path for a cache on NFS)."""
     value = os.environ.get(LOCK_DIR, "").strip()
-    return check_directory(LOCK_DIR, Path(value).expanduser()) if value else None
+    return check_directory(LOCK_DIR, user_path(LOCK_DIR, value)) if value else None
+
+
+# uid_t is 32 bits; (uid_t) -1 means "no user".
+MAX_UID = (1 << 32) - 2
 
 
 def trusted_owners() -> frozenset[int]:
@@ -208,15 +262,20 @@ def trusted_owners() -> frozenset[int]:
     for item in re.split(r"[,:\s]+", value):
         if not item:
             continue
-        if item.isdigit():
-            uids.add(int(item))
+        if item.isascii() and item.isdigit():
+            uid = whole_number(item, 0, MAX_UID)
+            if uid is None:
+                raise bad(TRUSTED_OWNERS, value, f"a uid must be a whole number from 0 to {MAX_UID}",
+                          f"name existing users or uids in {TRUSTED_OWNERS}.")
+            uids.add(uid)
             continue
         try:
             import pwd
 
             uids.add(pwd.getpwnam(item).pw_uid)
-        except (ImportError, KeyError):
-            raise bad(TRUSTED_OWNERS, value, f"there is no user {item!r}",
+        except (ImportError, KeyError, ValueError):  # ValueError: a name pwd cannot even look up
+            shown = repr(item) if len(item) <= 40 else f"{item[:20]!r}..."
+            raise bad(TRUSTED_OWNERS, value, f"there is no user {shown}",
                       f"name existing users or uids in {TRUSTED_OWNERS}.") from None
     return frozenset(uids)
 
@@ -230,14 +289,14 @@ def parse_size(text: str) -> int:
     """'500M', '10G', '1.5GiB', '4096' -> bytes (K/M/G/T are powers of 1024, as du and df count)."""
     match = re.match(_SIZE, str(text))
     if not match:
-        raise ValueError(f"{text!r} is not a size; write it like 500M, 10G or 1.5T (or a number of bytes)")
+        raise ValueError(f"{shown(text)} is not a size; write it like 500M, 10G or 1.5T (or a number of bytes)")
     number, unit, _ = match.groups()
     # Decimal, not float: a number of 400 digits must be refused, not become inf (OverflowError).
     from decimal import Decimal  # here, not at import: decimal costs ~1.3 ms of every warm load
 
     size = int(Decimal(number) * 1024 ** " kmgt".index(unit.lower() or " "))
     if size > MAX_SIZE:
-        raise ValueError(f"{text!r} is larger than 1 EiB; write a size like 500M, 10G or 1.5T")
+        raise ValueError(f"{shown(text)} is larger than 1 EiB; write a size like 500M, 10G or 1.5T")
     return size
 
 

@@ -7,6 +7,11 @@ that is not currently allocated (never handed out, or freed already) cannot
 come back: ``free`` raises and changes nothing, so a double free can never
 hand one slot to two owners.
 
+On a paged pool a free must be whole pages, each one page's slots in order
+(``[4, 5, 6, 7]``, not ``[0, 1, 2, 5]``): ``alloc`` hands the queue out in
+page-sized pieces, so a broken page would hand one slot to two owners (the
+new owner's whole-page writes reach a slot the first owner still holds).
+
 Freed slots are queued as chunks (O(len(indices)) per ``free``, no copy of
 the whole free list); ``alloc`` takes from the front of the queue, so slots
 are reused in the order they were freed, after the never-used ones.
@@ -19,10 +24,18 @@ import threading
 
 import torch
 
+from .ops import check_dense
+
 
 class SlotAllocator:
     def __init__(self, size: int, page_size: int):
-        self.size, self.page_size = size, page_size
+        for name, value, low in (("size", size, 0), ("page_size", page_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int of at least {low}, got {value!r}")
+        if size % page_size:
+            raise ValueError(f"size ({size}) must be a multiple of page_size ({page_size}): the allocator hands out "
+                             "whole pages")
+        self.size, self.page_size = int(size), int(page_size)
         self.lock = threading.RLock()
         self.clear()
 
@@ -64,6 +77,7 @@ class SlotAllocator:
     def free(self, indices) -> int:
         if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"indices must be an int32 or int64 torch.Tensor, got {type(indices).__name__}")
+        check_dense("indices", indices)
         indices = indices.reshape(-1).to("cpu", torch.int64)
         if indices.numel() % self.page_size:
             raise ValueError(f"indices must free whole pages: {indices.numel()} slots is not a multiple of the "
@@ -73,6 +87,15 @@ class SlotAllocator:
         if int(indices.min()) < 0 or int(indices.max()) >= self.size:
             raise ValueError(f"indices must lie in [0, {self.size}); got values in "
                              f"[{int(indices.min())}, {int(indices.max())}]")
+        P = self.page_size
+        if P > 1:
+            pages = indices.view(-1, P)
+            broken = (pages[:, 0] % P != 0) | (pages != pages[:, :1] + torch.arange(P)).any(dim=1)
+            if bool(broken.any()):
+                page = pages[broken][0].tolist()
+                raise ValueError(f"indices must free whole pages: each {P} indices must be one page's slots in "
+                                 f"order (a multiple of {P}, then the next {P - 1}); got {page[:8]}; nothing was "
+                                 "freed")
         with self.lock:
             allocated = self._allocated[indices]
             if not bool(allocated.all()):

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from collections import namedtuple
 
+from . import settings
 from .arch import Arch
 from .errors import ArchUnsupportedError, ToolchainError
 
@@ -67,9 +68,10 @@ def _header_version(home: Path) -> str | None:
     if at < 0:
         return None
     digits = head[at + len(b"#define CUDA_VERSION"):].split(maxsplit=1)
-    if not digits or not digits[0].isdigit():
+    # 13000 is CUDA 13.0; a number of thousands of digits is not a version (and int() would raise).
+    number = settings.whole_number(digits[0].decode("ascii", "replace"), 1000, 999_999) if digits else None
+    if number is None:
         return None
-    number = int(digits[0])
     return f"{number // 1000}.{(number % 1000) // 10}"
 
 
@@ -109,7 +111,8 @@ def _find_toolkit_cached(environment: tuple) -> Toolkit | None:
     if rejected:
         # Named explicitly, yet unusable: say so rather than quietly build with a toolkit nobody chose.
         # (Cached per environment, so this is said once per process, not at every load.)
-        log.warning("%s is not a CUDA toolkit (it needs bin/nvcc and include/cuda.h); %s",
+        log.warning("%s is not a CUDA toolkit (it needs bin/nvcc and an include/cuda.h that defines "
+                    "CUDA_VERSION); %s",
                     " and ".join(rejected),
                     f"using {found.home} (found by {found.found_by}) instead" if found else "no other toolkit found")
     return found
@@ -125,7 +128,8 @@ def require_toolkit() -> Toolkit:
     toolkit = find_toolkit()
     if toolkit is None:
         explicit = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-        where = f" (CUDA_HOME={explicit} has no bin/nvcc and include/cuda.h)" if explicit else ""
+        where = (f" (CUDA_HOME={explicit} has no bin/nvcc and include/cuda.h with a CUDA_VERSION)"
+                 if explicit else "")
         raise ToolchainError(
             f"No CUDA toolkit found{where}: searched $CUDA_HOME, $CUDA_PATH, nvcc on PATH, "
             "/usr/local/cuda and /usr/local/cuda-*.",
@@ -185,8 +189,23 @@ def find_ninja() -> str | None:
         return None
 
 
+def tool_env(tmp: Path) -> dict:
+    """The environment for a toolchain program, with ``tmp`` (a directory private to this user) as its
+    temporary directory. nvcc puts ``tmpxft_<pid>_00000000*`` files in $TMPDIR, even for ``--version``,
+    and deletes every file of its prefix there when it exits; the other tools (cudafe, cicc, ptxas,
+    fatbinary, the host compiler) read TMPDIR too, some TMP or TEMP. In the shared /tmp another user
+    could plant a file the compile reads back, or a symlink it writes through (issue 18, H1 and D1)."""
+    env = dict(os.environ)
+    for name in ("TMPDIR", "TMP", "TEMP"):
+        env[name] = str(tmp)
+    return env
+
+
 def _run(cmd: list[str]) -> str:
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="sglang-hicache-jit-") as tmp:  # random name, mode 0700
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=tool_env(Path(tmp)))
     if result.returncode != 0:
         raise OSError(f"{' '.join(cmd)} exited with {result.returncode}: {result.stderr.strip()[:500]}")
     return result.stdout
@@ -245,6 +264,23 @@ def require_ninja() -> str:
     return ninja
 
 
+def host_cc() -> str | None:
+    """$CC when set: nvcc's host compiler (``-ccbin``, as torch's extension builder passes it).
+    ToolchainError (``no_cxx``) unless it names an executable: a CC that is not a compiler, or not
+    even text (non-UTF-8 bytes), otherwise failed inside the compile and was remembered as a
+    compile error."""
+    cc = os.environ.get("CC")
+    if not cc:
+        return None
+    if shutil.which(cc) is None:
+        raise ToolchainError(
+            f"CC={cc!r} (nvcc's host compiler, passed as -ccbin) is not an executable on PATH.",
+            "set CC to a host compiler nvcc supports (e.g. CC=gcc), or unset it.",
+            code="no_cxx",
+        )
+    return cc
+
+
 def require_cxx() -> tuple[str, str]:
     """The host C++ compiler ($CXX, else c++) and its version line."""
     cxx = os.environ.get("CXX", "c++")
@@ -284,6 +320,7 @@ def check_build_tools(archs: tuple[Arch, ...]) -> BuildTools:
     """Everything a build needs, or a ToolchainError / ArchUnsupportedError saying what is missing."""
     toolkit = require_toolkit()
     tools = _build_tools(str(toolkit.home), toolkit.version, toolkit.found_by)
+    host_cc()  # read at each build (not cached with the tools): the environment may have changed
     missing = [str(a) for a in unsupported_archs(archs, tools.nvcc_archs)]
     if missing:
         raise ArchUnsupportedError(

@@ -28,7 +28,11 @@ import sglang_hicache_jit.benchmark  # noqa  (the CLI's parser holds bench's opt
 from sglang_hicache_jit import spec, toolchain
 spec.kernels_dir(); toolchain.torch_info()
 uid = int(sys.argv[1])
-os.setgroups([]); os.setgid(uid); os.setuid(uid)
+try:
+    gid = pwd.getpwuid(uid).pw_gid
+except KeyError:
+    gid = uid
+os.setgroups([]); os.setgid(gid); os.setuid(uid)
 if sys.argv[2] == "-c":
     exec(sys.argv[3])
 else:
@@ -36,8 +40,49 @@ else:
 """
 
 
+# What the child above still reads after dropping its privileges: the kernel sources (and the package's
+# directory, for any module imported late). Run as the user first, so that a checkout or interpreter in
+# a home private to root (mode 0700) skips the test with the reason instead of failing it with a
+# PermissionError from inside the child.
+_CAN_RUN = """
+import os, pwd, sys
+from sglang_hicache_jit import spec
+uid = int(sys.argv[1])
+try:
+    gid = pwd.getpwuid(uid).pw_gid
+except KeyError:
+    gid = uid
+directory = spec.kernels_dir()
+os.setgroups([]); os.setgid(gid); os.setuid(uid)
+try:
+    os.listdir(os.path.dirname(spec.__file__))
+    for name in spec.SOURCES + spec.HEADERS:
+        open(os.path.join(directory, name), "rb").close()
+except OSError as exc:
+    print(f"{exc.strerror}: {exc.filename}")
+"""
+_runs_here: dict = {}
+
+
+def skip_unless_user_can_run_here(uid: int, root: Path = ROOT) -> None:
+    """Skips the test, saying why, when ``uid`` cannot read this checkout (``root``) or interpreter's files."""
+    if (uid, root) not in _runs_here:
+        out = subprocess.run([sys.executable, "-c", _CAN_RUN, str(uid)], env=dict(os.environ, PYTHONPATH=str(root)),
+                             cwd="/", capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:  # the interpreter itself failed as that user
+            _runs_here[uid, root] = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
+        else:
+            _runs_here[uid, root] = out.stdout.strip()
+    if _runs_here[uid, root]:
+        pytest.skip(f"uid {uid} cannot use this interpreter and checkout ({_runs_here[uid, root]}): they lie in a "
+                    "directory private to another user (e.g. a venv or checkout under /root, mode 0700); run the "
+                    "tests from a checkout and environment other users can read to include this test")
+
+
 def as_user(uid: int, *args: str, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
-    """`sglang-hicache-jit ARGS` (or `-c CODE`) run as ``uid``."""
+    """`sglang-hicache-jit ARGS` (or `-c CODE`) run as ``uid``; skips the test when that user cannot
+    read what the child needs (skip_unless_user_can_run_here)."""
+    skip_unless_user_can_run_here(uid)
     return subprocess.run([sys.executable, "-c", _AS_USER, str(uid), *args], env=env, cwd="/", capture_output=True,
                           text=True, timeout=timeout)
 
@@ -53,6 +98,32 @@ def public_tmp():
             with contextlib.suppress(OSError):
                 os.chmod(os.path.join(dirpath, d), 0o755)
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def make_user():
+    """``make_user(role)`` creates a real account (useradd, no home, no login) and returns its uid; every
+    account made is removed after the test. Skips without root or without useradd."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create user accounts")
+    if shutil.which("useradd") is None or shutil.which("userdel") is None:
+        pytest.skip("useradd/userdel are not installed")
+    import pwd
+
+    made = []
+
+    def make(role: str) -> int:
+        name = f"hj{role[:8]}{os.urandom(3).hex()}"
+        out = subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            pytest.skip(f"useradd {name} failed: {out.stderr.strip()}")
+        made.append(name)
+        return pwd.getpwnam(name).pw_uid
+
+    yield make
+    for name in made:
+        subprocess.run(["userdel", name], capture_output=True)
 
 
 def chown_tree(path: Path, uid: int) -> None:
@@ -112,5 +183,5 @@ def cli_env(cache: Path, **extra) -> dict:
     return env
 
 
-__all__ = ["NOBODY", "ROOT", "as_user", "assert_one_error_line", "chown_tree", "cli_env", "needs_root",
-           "public_tmp", "remount_read_only", "run_main", "small_fs"]
+__all__ = ["NOBODY", "ROOT", "as_user", "assert_one_error_line", "chown_tree", "cli_env", "make_user", "needs_root",
+           "public_tmp", "remount_read_only", "run_main", "skip_unless_user_can_run_here", "small_fs"]

@@ -1,9 +1,12 @@
 """Adversarial: data loss and corruption (prune, clean, bad records, read-only caches)."""
 
 import json
+import os
 import socket
+import stat
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -200,3 +203,101 @@ def test_a_library_replaced_by_a_link_to_an_identical_copy_is_corrupt_everywhere
     assert "1 corrupt" in out and "no problems" not in out
     code, out, err = run_main(capsys, "prune")
     assert code == 0 and entry_dirs(cache.root) == [] and copy.exists()
+
+
+# ---- issue 18, D2: the output path of export and bench ------------------------------------------------
+# `export -o <FIFO or device>` replaced the node with a regular file (as root, -o /dev/null replaced the
+# real /dev/null). One guard (safeio.check_output / write_output) for every file a command writes.
+
+def _node(tmp_path, kind):
+    path = tmp_path / f"node-{kind}"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "chardev":  # a copy of /dev/null's node
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("creating a device node is not permitted here (needs root with CAP_MKNOD)")
+    elif kind == "symlink":
+        (tmp_path / "target").write_text("kept\n")
+        path.symlink_to(tmp_path / "target")
+    elif kind == "directory":
+        path.mkdir()
+        (path / "inside").write_text("kept\n")
+    elif kind == "socket":
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        s.close()
+    st = os.lstat(path)
+    return path, (st.st_mode, st.st_rdev, st.st_ino)
+
+
+KINDS = ["fifo", "chardev", "symlink", "directory", "socket"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_d2_export_refuses_an_output_that_is_not_a_regular_file(cache, tmp_path, capsys, monkeypatch, kind):
+    from sglang_hicache_jit import loader
+
+    fake_entry(cache)
+    path, before = _node(tmp_path, kind)
+    built = []
+    real = loader.ensure_built
+    monkeypatch.setattr(loader, "ensure_built", lambda *a, **k: built.append(1) or real(*a, **k))
+    code, out, err = run_main(capsys, "export", "--arch", "9.0", "-o", str(path))
+    assert_one_error_line(code, err, "--output", str(path), "must be a new path or a regular file", "fix:")
+    assert code == 2 and built == [], "the output must be refused before anything is built"
+    st = os.lstat(path)
+    assert (st.st_mode, st.st_rdev, st.st_ino) == before, f"the {kind} was replaced"
+    if kind == "symlink":
+        assert (tmp_path / "target").read_text() == "kept\n"
+    if kind == "directory":
+        assert (path / "inside").read_text() == "kept\n"
+
+
+def test_d2_export_to_a_new_path_or_over_a_regular_file_still_works(cache, tmp_path, capsys):
+    fake_entry(cache)
+    for path in (tmp_path / "new.tar.gz", tmp_path / "new.tar.gz"):  # new, then an existing regular file
+        code, out, err = run_main(capsys, "export", "--arch", "9.0", "-o", str(path))
+        assert code == 0, err
+        assert tarfile.is_tarfile(path) and not path.is_symlink()
+
+
+def test_d2_a_node_that_appears_during_the_write_is_not_replaced(tmp_path, monkeypatch):
+    from sglang_hicache_jit import safeio
+
+    path = tmp_path / "out.json"
+    real = safeio.write_atomic
+
+    def plant_then_write(target, data, mode=0o600, *, check=None):  # a FIFO appears after the first check
+        os.mkfifo(target)
+        return real(target, data, mode, check=check)
+
+    monkeypatch.setattr(safeio, "write_atomic", plant_then_write)
+    with pytest.raises(errors.BadSettingError, match="is a FIFO"):
+        safeio.write_output(path, b"{}", "--json")
+    assert stat.S_ISFIFO(os.lstat(path).st_mode) and os.listdir(tmp_path) == [path.name]  # no temporary left
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "chardev"])
+def test_d2_bench_refuses_an_output_that_is_not_a_regular_file(cache, tmp_path, capsys, option, kind):
+    path, before = _node(tmp_path, kind)
+    code, out, err = run_main(capsys, "bench", option, str(path))
+    assert_one_error_line(code, err, option, "must be a new path or a regular file")
+    assert code == 2  # before the benchmark (and before its GPU check): nothing ran
+    st = os.lstat(path)
+    assert (st.st_mode, st.st_rdev, st.st_ino) == before
+
+
+@pytest.mark.parametrize("pid", ["²", "9" * 200])
+def test_a_staging_name_with_odd_digits_is_not_ours_and_breaks_nothing(cache, capsys, pid):
+    """A staging directory whose pid part passes str.isdigit but not int() ('²'): prune and clean
+    raised ValueError (the same class as issue 18's T3/T4); now it is not a name this package gives."""
+    fake_entry(cache)
+    odd = cache.layout_root / ".staging" / f"hicache_transfer-{'0' * 16}.host.{pid}.abcd"
+    odd.mkdir(parents=True)
+    for args in (("prune",), ("clean",)):
+        code, out, err = run_main(capsys, *args)
+        assert code == 0 and "Traceback" not in err, err
+    assert odd.is_dir()  # not a name this package gives: kept

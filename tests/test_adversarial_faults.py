@@ -4,6 +4,7 @@ bundles, and the container recipe tried as an unprivileged user."""
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from adversarial_helpers import NOBODY, as_user, cli_env, needs_root, public_tmp  # noqa: F401
+from adversarial_helpers import NOBODY, as_user, cli_env, needs_root, public_tmp, skip_unless_user_can_run_here  # noqa: F401
 from fleet_helpers import ROOT, cli, env_for, fake_entry, snapshot
 from sglang_hicache_jit import bundle as bundle_module
 from sglang_hicache_jit import loader
@@ -333,3 +334,114 @@ def test_the_container_recipe_with_a_real_build_checks_ok_as_another_user(sessio
     out = as_user(NOBODY, "check", "--arch", "9.0", "--no-build",
                   env=cli_env(user_cache, SGLANG_HICACHE_JIT_PREBUILT_DIRS=layer), timeout=300)
     assert out.returncode == 0 and "9.0        ok: built and loadable" in out.stdout, out.stdout + out.stderr
+
+
+@needs_root
+def test_a_user_who_cannot_read_the_checkout_skips_the_test_naming_why(tmp_path):
+    """Issue 18: with the checkout (or venv) in a home private to root, the tests that run a child as
+    `nobody` failed with PermissionError (the child reads the kernel sources after dropping its
+    privileges), and the README's test command exited 1 for root."""
+    home = tmp_path / "home"  # a private home: mode 0700, owned by root
+    home.mkdir(mode=0o700)
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "sglang_hicache_jit", home / "sglang_hicache_jit", ignore=ignore)
+    shutil.copytree(ROOT / "kernels", home / "kernels", ignore=ignore)
+    with pytest.raises(pytest.skip.Exception) as info:
+        skip_unless_user_can_run_here(NOBODY, root=home)
+    assert f"uid {NOBODY} cannot use this interpreter" in str(info.value)
+    assert f"Permission denied: {home}" in str(info.value) and "0700" in str(info.value)
+    skip_unless_user_can_run_here(NOBODY)  # this checkout is readable by everyone: no skip
+
+
+# ---- issue 18, T6: a CC with non-UTF-8 bytes ------------------------------------------------------------
+# The compile child failed writing build.ninja (UnicodeEncodeError) and the failed build's message
+# carried that traceback; it was even remembered as a final compile error.
+
+def test_t6_build_ninja_keeps_non_utf8_bytes_of_paths_and_cc(tmp_path):
+    from sglang_hicache_jit import _compile
+
+    cc = os.fsdecode(b"/opt/gcc\xff")  # how Python reads such a variable from the environment
+    request = {"name": "x", "library": "x.so", "build_dir": str(tmp_path), "link": ["c++", "-o", "x.so"],
+               "steps": [{"input": os.fsdecode(b"/src/\xfe.cu"), "output": "a.o", "command": ["nvcc", "-ccbin", cc]}]}
+    path = _compile.write_ninja(request)
+    data = Path(path).read_bytes()
+    assert b"-ccbin '/opt/gcc\xff'" in data and b"/src/\xfe.cu" in data
+
+
+@pytest.mark.build
+def test_t6_a_cc_that_is_not_a_compiler_is_a_toolchain_error_line(tmp_path, monkeypatch, capsys):
+    from adversarial_helpers import run_main
+
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", os.fsdecode(b"/usr/bin/gcc\xff"))
+    code, out, err = run_main(capsys, "prewarm", "--arch", "9.0")
+    assert code == 1 and "Traceback" not in out + err and "UnicodeEncodeError" not in out + err, out + err
+    assert "failed [no_cxx]: CC='/usr/bin/gcc\\udcff' (nvcc's host compiler" in out, out
+    assert not list((tmp_path / "cache").glob("v1/*/*.failed.json")), "remembered as a final compile error"
+    code, out, err = run_main(capsys, "doctor", "--arch", "9.0")
+    assert "PROBLEM CC" in out and "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.build
+def test_t6_a_cc_whose_path_is_not_utf8_builds(tmp_path):
+    compiler = Path(os.fsdecode(bytes(tmp_path) + b"/gcc\xff"))
+    compiler.symlink_to(shutil.which("gcc"))
+    env = env_for(tmp_path / "cache", CC=compiler)
+    out = subprocess.run([sys.executable, "-m", "sglang_hicache_jit", "prewarm", "--arch", "9.0"], env=env, cwd=ROOT,
+                         capture_output=True, timeout=600)
+    assert out.returncode == 0, out.stdout.decode(errors="replace") + out.stderr.decode(errors="replace")
+    log = next((tmp_path / "cache").glob("v1/sm90/*/build.log")).read_bytes()
+    assert b"-ccbin " + bytes(tmp_path) + b"/gcc\xff" in log.replace(b"'", b"")
+
+
+# ---- issue 18: a check that races clean ---------------------------------------------------------------
+# The entry found by the look was removed before the load: check reported it as CorruptEntry
+# (load_failed) instead of "not built".
+
+def _race_env(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(root))
+    for name in ("SGLANG_HICACHE_JIT_PREBUILT_DIRS", "SGLANG_HICACHE_JIT_LOCK_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    fake_entry(BuildCache(root))
+    return BuildCache(root)
+
+
+def test_a_check_racing_clean_between_look_and_load_says_not_built(tmp_path, monkeypatch, capsys):
+    from adversarial_helpers import run_main
+    from sglang_hicache_jit.prune import clean
+
+    cache = _race_env(tmp_path, monkeypatch)
+    real, looks = loader.ensure_built, []
+
+    def look_then_clean(*args, **kwargs):
+        result = real(*args, **kwargs)
+        looks.append(result.action)
+        if len(looks) == 1:
+            clean(cache)  # another process's `clean`, right after this look
+        return result
+
+    monkeypatch.setattr(loader, "ensure_built", look_then_clean)
+    code, out, err = run_main(capsys, "check", "--arch", "9.0", "--no-build", "--json")
+    record = json.loads(out)["results"][0]
+    assert code == 1 and record["code"] == "not_built", record
+    assert "CorruptEntry" not in out + err and "load_failed" not in out
+
+
+def test_a_lookup_racing_clean_finds_nothing_rather_than_a_corrupt_entry(tmp_path, monkeypatch, capsys, caplog):
+    from adversarial_helpers import run_main
+    from sglang_hicache_jit.prune import clean
+
+    cache = _race_env(tmp_path, monkeypatch)
+    real = BuildCache.check_trust
+
+    def check_then_clean(self, path):  # the entry passes the trust check, then goes before it is read
+        real(self, path)
+        if not self.prebuilt:
+            clean(cache)
+
+    monkeypatch.setattr(BuildCache, "check_trust", check_then_clean)
+    code, out, err = run_main(capsys, "check", "--arch", "9.0", "--no-build", "--json")
+    assert code == 1 and json.loads(out)["results"][0]["code"] == "not_built"
+    assert "failed verification" not in caplog.text and "no manifest.json" not in caplog.text, caplog.text

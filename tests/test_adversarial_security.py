@@ -4,12 +4,17 @@ import hashlib
 import io
 import json
 import os
+import re
+import stat
+import subprocess
+import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 
-from adversarial_helpers import NOBODY, as_user, chown_tree, cli_env, needs_root, public_tmp  # noqa: F401
-from fleet_helpers import entry_dirs, fake_entry, snapshot
+from adversarial_helpers import NOBODY, as_user, chown_tree, cli_env, make_user, needs_root, public_tmp  # noqa: F401
+from fleet_helpers import ROOT, entry_dirs, env_for, fake_entry, snapshot
 from sglang_hicache_jit import loader
 from sglang_hicache_jit.arch import parse_arch_list
 from sglang_hicache_jit.bundle import export_bundle, import_bundle
@@ -236,3 +241,210 @@ def test_group_writable_layer_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_HICACHE_JIT_PREBUILT_DIRS", str(layer))
     with pytest.raises(UnsafeCacheError, match="writable by its group"):
         ensure_built(ARCHS, build=False)
+
+
+# ---- issue 18, H1 and D1: nvcc's intermediate files ---------------------------------------------------
+# nvcc wrote its intermediates to $TMPDIR (the shared /tmp) under predictable names
+# (tmpxft_<pid>_00000000-6_hicache_transfer.cudafe1.cpp, ...-8_hicache_resident.cubin). Another user
+# could plant a file there (0666) and edit it between cudafe's write and the host compiler's read (code
+# in the victim's library), or a symlink that the victim's ptxas wrote through (data loss).
+
+@pytest.mark.build
+def test_h1_every_compiler_step_keeps_its_temporary_files_in_the_private_staging_dir(tmp_path, monkeypatch):
+    from sglang_hicache_jit import build
+    from sglang_hicache_jit.errors import BuildFailedError
+    from sglang_hicache_jit.toolchain import check_build_tools
+
+    spec = BuildSpec.for_archs(ARCHS)
+    tools = check_build_tools(spec.archs)
+    staging = tmp_path / "staging"
+    staging.mkdir(mode=0o700)
+    seen = {}
+
+    def capture(args, log, env, cwd, what):  # the command lines and environment the compile child gets
+        seen.update(env=env, request=json.loads(Path(args[2]).read_text()))
+        return 1
+
+    monkeypatch.setattr(build, "_run_compiler", capture)
+    for name in ("TMPDIR", "TMP", "TEMP"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(BuildFailedError):
+        build.compile_entry(spec, spec.key(tools.toolkit.identity), tools, staging)
+    env, request = seen["env"], seen["request"]
+    private = Path(env["TMPDIR"])
+    assert private.parent == staging and stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert env["TMP"] == env["TEMP"] == env["TMPDIR"]  # the host compiler and its helpers read these
+    nvcc_steps = [step for step in request["steps"] if step["input"].endswith(".cu")]
+    assert len(nvcc_steps) == 2
+    for step in nvcc_steps:  # nvcc --dryrun lists every intermediate of cudafe, cicc, ptxas and fatbinary
+        out = subprocess.run(step["command"] + ["--dryrun"], env=env, cwd=request["build_dir"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        intermediates = {p for p in re.findall(r"(/[^\s\"',=]*tmpxft_[^\s\"',]*)", out.stderr)}
+        assert intermediates, out.stderr[-2000:]
+        outside = sorted(p for p in intermediates if not p.startswith(str(private) + "/"))
+        assert outside == [], f"written outside the private staging directory: {outside}"
+
+
+def test_h1_the_toolchain_checks_run_nvcc_with_a_private_tmpdir(monkeypatch):
+    """`nvcc --version` and `--list-gpu-arch` (before every build, and in doctor) write
+    tmpxft_<pid>_00000000 into $TMPDIR and delete every file of that prefix there."""
+    from sglang_hicache_jit import toolchain
+
+    seen = []
+
+    def run(cmd, **kwargs):
+        tmp = Path(kwargs["env"]["TMPDIR"])
+        seen.append((tmp, stat.S_IMODE(tmp.stat().st_mode), kwargs["env"]["TMP"], kwargs["env"]["TEMP"]))
+        return subprocess.CompletedProcess(cmd, 0, "release 13.0, V13.0.88\n", "")
+
+    monkeypatch.setattr(toolchain.subprocess, "run", run)
+    monkeypatch.setenv("TMPDIR", "/tmp")
+    toolchain._run(["nvcc", "--version"])
+    toolchain._run(["nvcc", "--version"])
+    (first, mode, tmp, temp), (second, *_) = seen
+    assert first != second and str(first).startswith("/tmp/sglang-hicache-jit-") and mode == 0o700
+    assert tmp == temp == str(first) and not first.exists()  # a fresh private directory per run, removed after
+
+
+_PLANT = """
+import os, sys
+first, count, target = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+planted = []
+for pid in range(first, first + count):
+    for source in ("hicache_transfer", "hicache_resident"):
+        stem = f"/tmp/tmpxft_{pid:08x}_00000000"
+        try:
+            fd = os.open(f"{stem}-6_{source}.cudafe1.cpp", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            os.fchmod(fd, 0o666)
+            os.close(fd)
+            planted.append(f"{stem}-6_{source}.cudafe1.cpp")
+            os.symlink(target, f"{stem}-8_{source}.cubin")
+            planted.append(f"{stem}-8_{source}.cubin")
+        except FileExistsError:  # somebody's real intermediate: not ours to touch
+            pass
+print("\\n".join(planted))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.build
+def test_h1_d1_files_planted_in_tmp_by_another_user_are_never_read_or_written(tmp_path, make_user):
+    """The victim builds in a fresh PID namespace, so its nvcc processes get small, known pids (the
+    attacker's guess, made exact) and no other process on the machine shares the planted names."""
+    import shutil
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--pid", "--fork", "true"],
+                                                         capture_output=True).returncode != 0:
+        pytest.skip("needs unshare --pid (root with CAP_SYS_ADMIN) to give the build known pids")
+    attacker = make_user("attacker")
+    victim_file = tmp_path / "private" / "notes"  # one of the victim's own 0600 files
+    victim_file.parent.mkdir(mode=0o700)
+    victim_file.write_bytes(b"the victim's data\n")
+    os.chmod(victim_file, 0o600)
+    planted = []
+    try:
+        out = as_user(attacker, "-c", _PLANT, "2", "400", str(victim_file), env=dict(os.environ))
+        planted = out.stdout.split()
+        assert out.returncode == 0 and len(planted) > 1000, out.stderr[-2000:]
+        env = env_for(tmp_path / "cache")
+        for name in ("TMPDIR", "TMP", "TEMP"):
+            env.pop(name, None)
+        built = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-m", "sglang_hicache_jit", "prewarm",
+                                "--arch", "9.0"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert built.returncode == 0, built.stdout + built.stderr
+        assert victim_file.read_bytes() == b"the victim's data\n", "ptxas wrote through a planted symlink"
+        gone = [path for path in planted if not os.path.lexists(path)]
+        assert gone == [], f"the build removed files another user owns: {gone[:4]}"
+        written = [path for path in planted if path.endswith(".cpp") and os.lstat(path).st_size]
+        assert written == [], f"the build wrote into files another user planted: {written[:4]}"
+    finally:
+        for path in planted:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+# ---- issue 18, D4: one trust rule for every reader and writer of the cache ----------------------------
+# Another user's `clean` removed the entries of a world-writable cache that `import` and the loader
+# refused as unsafe_cache.
+
+def _cache_with_entries(root: Path) -> BuildCache:
+    cache = BuildCache(root)
+    fake_entry(cache, "9.0")
+    fake_entry(cache, "8.0")
+    cache.record_failure("sm90", "hicache_transfer", "0" * 16, "planted", "log")
+    return cache
+
+
+@pytest.mark.parametrize("where", ["root", "layout"])
+def test_d4_clean_and_prune_refuse_a_world_writable_cache_like_the_loader(tmp_path, monkeypatch, capsys, where):
+    from adversarial_helpers import assert_one_error_line, run_main
+
+    root = tmp_path / "cache"
+    cache = _cache_with_entries(root)
+    os.chmod(root if where == "root" else cache.layout_root, 0o777)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(root))
+    before = snapshot(root)
+    for args in (("clean",), ("clean", "--failed"), ("prune",), ("prune", "--max-size", "0")):
+        code, out, err = run_main(capsys, *args)
+        assert_one_error_line(code, err, "[unsafe_cache]", "writable by every user", "fix:")
+    assert snapshot(root) == before, "a refused cache lost files"
+    with pytest.raises(UnsafeCacheError):  # the loader: the same rule, the same code
+        ensure_built(ARCHS, build=False)
+    with pytest.raises(UnsafeCacheError):  # a failure record planted there decides nothing either
+        loader._fail_fast(cache, BuildSpec.for_archs(ARCHS), "0" * 16)
+
+
+@needs_root
+def test_d4_clean_and_prune_refuse_a_cache_owned_by_another_user(tmp_path, monkeypatch, capsys):
+    from adversarial_helpers import assert_one_error_line, run_main
+
+    root = tmp_path / "cache"
+    _cache_with_entries(root)
+    chown_tree(root, NOBODY)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(root))
+    before = snapshot(root)
+    for args in (("clean",), ("prune",)):
+        code, out, err = run_main(capsys, *args)
+        assert_one_error_line(code, err, "[unsafe_cache]", f"owned by uid {NOBODY}", "fix:")
+    assert snapshot(root) == before
+
+
+def test_d4_a_private_cache_is_still_cleaned(tmp_path, monkeypatch, capsys):
+    from adversarial_helpers import run_main
+
+    root = tmp_path / "cache"
+    _cache_with_entries(root)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(root))
+    code, out, err = run_main(capsys, "clean")
+    assert code == 0 and "removed 2 cache entries, 1 failed-build record" in out, out + err
+    assert entry_dirs(root) == []
+
+
+_CLEAN_AND_PRUNE = """
+import sglang_hicache_jit.cli as c
+for args in (["clean"], ["prune"], ["import", sys.argv[4]]):
+    print(args[0], c.main(args), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_d4_another_users_clean_leaves_a_world_writable_cache_alone(public_tmp, make_user):
+    owner, other = make_user("owner"), make_user("other")
+    root = public_tmp / "shared-cache"
+    cache = _cache_with_entries(root)
+    bundle = public_tmp / "b.tar.gz"
+    export_bundle([ARCHS], str(bundle))  # something to import, from the same entries
+    os.chmod(bundle, 0o644)
+    chown_tree(root, owner)
+    for dirpath, dirs, _ in os.walk(root):  # the owner made the whole cache world-writable
+        os.chmod(dirpath, 0o777)
+    before = snapshot(root)
+    out = as_user(other, "-c", _CLEAN_AND_PRUNE, str(bundle), env=cli_env(root), timeout=120)
+    assert [line.split() for line in out.stdout.splitlines()] == [["clean", "1"], ["prune", "1"], ["import", "1"]], \
+        out.stdout + out.stderr
+    assert out.stderr.count("error: [unsafe_cache]") == 3 and "Traceback" not in out.stderr, out.stderr
+    assert snapshot(root) == before, "another user's command changed the cache"
+    assert len(entry_dirs(root)) == 2

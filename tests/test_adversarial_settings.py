@@ -1,6 +1,7 @@
 """Adversarial: bad settings and inputs through the CLI. Each must end in one `error:` line that names
 the setting (or input) and the fix, with a non-zero exit and no traceback."""
 
+import json
 import os
 
 import pytest
@@ -196,3 +197,147 @@ def test_the_real_cli_prints_one_line_for_bad_settings(tmp_path):
               timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().startswith("error: [bad_setting] SGLANG_HICACHE_JIT_BUILD_JOBS='1.5'"), out.stderr
+
+
+# ---- issue 18: T1-T5, settings that ended in a traceback -------------------------------------------------
+
+HUGE = "9" * 5000  # past Python's int-string limit (4300 digits): int() itself raised ValueError
+
+
+def test_t1_info_shows_trusted_owners_named_by_user(env, capsys):
+    env.setenv("SGLANG_HICACHE_JIT_TRUSTED_OWNERS", "root")
+    code, out, err = run_main(capsys, "info")
+    assert code == 0 and "Traceback" not in err, err
+    line = next(line for line in out.splitlines() if "SGLANG_HICACHE_JIT_TRUSTED_OWNERS" in line)
+    assert line.split()[1:] == ["0", "(env)"], line
+    code, out, err = run_main(capsys, "info", "--json")
+    setting = next(s for s in json.loads(out)["settings"] if s["variable"] == "SGLANG_HICACHE_JIT_TRUSTED_OWNERS")
+    assert code == 0 and setting["value"] == [0] and setting["error"] is None
+
+
+@pytest.mark.parametrize("variable", ["SGLANG_HICACHE_JIT_CACHE_DIR", "SGLANG_HICACHE_JIT_LOCK_DIR",
+                                      "SGLANG_HICACHE_JIT_PREBUILT_DIRS"])
+def test_t2_a_home_of_no_user_is_a_bad_setting_in_every_command(env, capsys, variable):
+    env.setenv(variable, "~nosuchuser-hicache/c")
+    commands = {"SGLANG_HICACHE_JIT_CACHE_DIR": [("prewarm", "--arch", "9.0"), ("info",), ("prune",), ("clean",),
+                                                 ("check", "--arch", "9.0", "--no-build")],
+                "SGLANG_HICACHE_JIT_LOCK_DIR": [("prewarm", "--arch", "9.0")],
+                "SGLANG_HICACHE_JIT_PREBUILT_DIRS": [("prewarm", "--arch", "9.0"), ("info",)]}[variable]
+    for args in commands:
+        code, out, err = run_main(capsys, *args)
+        assert_one_error_line(code, err, variable, "~nosuchuser-hicache names no user", "fix:")
+        assert code == 2
+    code, out, err = run_main(capsys, "doctor", "--arch", "9.0")
+    assert code == 1 and "Traceback" not in err and f"{variable}='~nosuchuser-hicache/c' cannot be used" in out
+
+
+@pytest.mark.parametrize("args", [("export", "--arch", "9.0", "-o", "~nosuchuser-hicache/b.tar.gz"),
+                                  ("import", "~nosuchuser-hicache/b.tar.gz"),
+                                  ("import", "B", "--into", "~nosuchuser-hicache/layer")])
+def test_t2_a_home_of_no_user_in_an_option_is_one_line(env, tmp_path, capsys, args):
+    fake_entry(BuildCache(tmp_path / "cache"))
+    export_bundle([parse_arch_list("9.0")], str(tmp_path / "b.tar.gz"))
+    args = tuple(str(tmp_path / "b.tar.gz") if a == "B" else a for a in args)
+    code, out, err = run_main(capsys, *args)
+    assert_one_error_line(code, err, "~nosuchuser-hicache names no user", "fix:")
+
+
+@pytest.mark.parametrize("variable", ["SGLANG_HICACHE_JIT_BUILD_JOBS", "SGLANG_HICACHE_JIT_RESIDENT_BLOCKS",
+                                      "SGLANG_HICACHE_JIT_RESIDENT_IDLE_US"])
+@pytest.mark.parametrize("value", [HUGE, "0" * 5000 + "7" * 5000, "²", "٣"], ids=["9x5000", "0x5000+7x5000", "sup2",
+                                                                                 "arabic3"])
+def test_t3_one_bounded_reader_for_every_whole_number_setting(env, capsys, variable, value):
+    env.setenv(variable, value)
+    reader = {"SGLANG_HICACHE_JIT_BUILD_JOBS": settings.build_jobs,
+              "SGLANG_HICACHE_JIT_RESIDENT_BLOCKS": settings.resident_blocks,
+              "SGLANG_HICACHE_JIT_RESIDENT_IDLE_US": settings.resident_idle_us}[variable]
+    with pytest.raises(errors.BadSettingError) as info:
+        reader()
+    assert variable in info.value.reason and "whole number from" in info.value.reason
+    assert len(info.value.reason) < 300  # one line for a person, not the 5000 digits
+    code, out, err = run_main(capsys, "info")
+    line = next(line for line in out.splitlines() if variable in line)
+    assert code == 0 and "INVALID" in line and "whole number from" in line and "int-string" not in line
+    code, out, err = run_main(capsys, "doctor", "--arch", "9.0")
+    assert code == 1 and "Traceback" not in err and f"{variable}=" in out
+    if variable == "SGLANG_HICACHE_JIT_BUILD_JOBS":
+        code, out, err = run_main(capsys, "prewarm", "--arch", "9.0")
+        assert_one_error_line(code, err, variable, "whole number from 1 to 1024")
+
+
+def test_t3_leading_zeros_are_still_a_number(env):
+    env.setenv("SGLANG_HICACHE_JIT_BUILD_JOBS", "0" * 5000 + "8")
+    assert settings.build_jobs() == 8
+
+
+@needs_root
+@pytest.mark.parametrize("value", ["²", HUGE, "4294967295", "-1", "x\udcffy"], ids=["sup2", "9x5000", "uid_max", "-1",
+                                                                                   "surrogate"])
+def test_t4_bad_trusted_owners_with_a_layer_of_another_user_is_one_line(env, tmp_path, capsys, value):
+    from adversarial_helpers import NOBODY, chown_tree
+
+    layer = tmp_path / "layer"
+    fake_entry(BuildCache(layer))
+    chown_tree(layer, NOBODY)
+    env.setenv("SGLANG_HICACHE_JIT_PREBUILT_DIRS", str(layer))
+    env.setenv("SGLANG_HICACHE_JIT_TRUSTED_OWNERS", value)
+    code, out, err = run_main(capsys, "prewarm", "--arch", "9.0")
+    assert_one_error_line(code, err, "SGLANG_HICACHE_JIT_TRUSTED_OWNERS", "fix:")
+    assert code == 2
+
+
+@pytest.mark.parametrize("version", [HUGE, "1" + "0" * 4999, "99999999999", "-13000"], ids=["9x5000", "1e4999", "1e11",
+                                                                                       "negative"])
+def test_t5_a_cuda_h_with_a_huge_version_is_not_a_toolkit(env, tmp_path, capsys, caplog, version):
+    fake = tmp_path / "cuda"
+    (fake / "bin").mkdir(parents=True)
+    (fake / "include").mkdir()
+    (fake / "bin" / "nvcc").write_text("#!/bin/sh\nexit 1\n")
+    os.chmod(fake / "bin" / "nvcc", 0o755)
+    (fake / "include" / "cuda.h").write_text(f"#define CUDA_VERSION {version}\n")
+    env.setenv("CUDA_HOME", str(fake))
+    env.delenv("CUDA_PATH", raising=False)
+    fake_entry(BuildCache(tmp_path / "cache"))  # prewarm finds it: nothing is compiled
+    for args in (("info",), ("doctor", "--arch", "9.0"), ("prewarm", "--arch", "9.0")):
+        code, out, err = run_main(capsys, *args)
+        assert "Traceback" not in err and "ValueError" not in err, err
+        if args[0] != "doctor":
+            assert code == 0, err
+    assert f"CUDA_HOME={fake} is not a CUDA toolkit" in caplog.text
+
+
+# ---- issue 18: SGLANG_HICACHE_JIT_SGLANG_PLUGIN=disable left the plugin on without a word ----------
+
+@pytest.mark.parametrize("value", ["disable", "2", "none", "nan", "enabled", "-1"])
+def test_a_plugin_switch_that_is_neither_on_nor_off_is_refused(env, capsys, caplog, value):
+    from sglang_hicache_jit.integrations import sglang as plugin
+
+    env.setenv("SGLANG_HICACHE_JIT_SGLANG_PLUGIN", value)
+    with pytest.raises(errors.BadSettingError, match="SGLANG_HICACHE_JIT_SGLANG_PLUGIN"):
+        settings.sglang_plugin_enabled()
+    saved = dict(plugin.status)
+    plugin.reload_for_tests()
+    try:
+        plugin.register()  # in SGLang's process: never raises, patches nothing, and says why
+        assert plugin.status["registered"] is False and plugin.status["patched"] == []
+        assert "SGLANG_HICACHE_JIT_SGLANG_PLUGIN" in plugin.status["reason"]
+        assert "plugin not active" in caplog.text and value in caplog.text
+    finally:
+        plugin.status.clear()
+        plugin.status.update(saved)
+    code, out, err = run_main(capsys, "info")
+    assert code == 0 and "Traceback" not in err, err
+    assert any("SGLANG_HICACHE_JIT_SGLANG_PLUGIN" in line and "INVALID" in line for line in out.splitlines())
+    assert "SGLang plugin not active, SGLang runs unchanged: SGLANG_HICACHE_JIT_SGLANG_PLUGIN=" in out
+    code, out, err = run_main(capsys, "info", "--json")
+    described = json.loads(out)["sglang_plugin"]
+    assert described["active"] is False and described["switch"] is None and value in described["error"]
+    code, out, err = run_main(capsys, "doctor", "--arch", "9.0")
+    assert code == 1 and "SGLANG_HICACHE_JIT_SGLANG_PLUGIN=" in out and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value,enabled", [("", True), ("1", True), ("on", True), ("TRUE", True), ("yes", True),
+                                           ("0", False), ("off", False), ("False", False), (" no ", False)])
+def test_the_plugin_switch_still_reads_on_and_off(env, value, enabled):
+    env.setenv("SGLANG_HICACHE_JIT_SGLANG_PLUGIN", value)
+    assert settings.sglang_plugin_enabled() is enabled

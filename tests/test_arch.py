@@ -86,6 +86,8 @@ def test_fast_paths_parse_as_the_patterns_do():
             if len(digits) < 2:
                 return None
             digits, minor = digits[:-1], digits[-1]
+        if len(digits.lstrip("0")) > 2:  # majors are one or two digits (arch.MAX_MAJOR)
+            return None
         return arch.Arch(int(digits), int(minor), suffix.lower(), bool(ptx))
 
     rng = random.Random(3)
@@ -109,3 +111,13 @@ def test_fast_paths_parse_as_the_patterns_do():
         except ValueError:
             expected = None
         assert got == (expected or None), repr(text)
+
+
+@pytest.mark.parametrize("text", ["9" * 5000 + ".0", "sm_" + "9" * 5000, "9" * 4000 + ".0", "sm_1000", "100.0"],
+                         ids=["5000-digit-major", "sm_5000-digits", "4000-digit-major", "sm_1000", "100.0"])
+def test_an_arch_major_is_read_by_the_bounded_reader(text):
+    """Issue 18, T3: an arch's major of 5000 digits raised Python's int-string ValueError inside
+    int(), and one of 4000 digits was accepted; a major is at most two digits."""
+    with pytest.raises(ValueError, match="major version must be at most 99") as info:
+        parse_arch(text)
+    assert len(str(info.value)) < 200 and "int-string" not in str(info.value)

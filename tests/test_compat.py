@@ -69,6 +69,36 @@ def test_can_use_never_raises_and_says_no_for_bad_rows():
         assert compat.can_use_hicache_jit_kernel(element_size=bad) is False
 
 
+class _Hostile(int):
+    """An int whose every Python-level hook raises."""
+
+    def _raise(self, *args):
+        raise RuntimeError("hostile int")
+
+    __repr__ = __str__ = __index__ = __int__ = __hash__ = __eq__ = __format__ = _raise
+
+
+@pytest.mark.parametrize("value", [576, 6, 0, -4])
+def test_t7_can_use_never_raises_for_an_int_subclass_whose_hooks_raise(monkeypatch, value):
+    """Issue 18, T7: repr(element_size) built the warning's key and raised."""
+    from sglang_hicache_jit.probe import ProbeResult
+
+    answers = []
+    monkeypatch.setattr(compat, "probe", lambda size: answers.append(type(size)) or
+                        ProbeResult(False, "no_cuda_device", "no GPU"))
+    hostile = _Hostile(value)
+    assert compat.can_use_hicache_jit_kernel(element_size=hostile) is False
+    assert compat.can_use_write_back_jit_kernel(element_size=hostile) is False
+    assert compat.can_use_page_unified_load_back_jit_kernel(group_bytes=hostile) is False
+    assert answers == [int, int, int]  # the probe got a plain int
+
+    def broken_probe(size):
+        raise RuntimeError("a probe that breaks its promise")
+
+    monkeypatch.setattr(compat, "probe", broken_probe)
+    assert compat.can_use_hicache_jit_kernel(element_size=hostile) is False
+
+
 def test_all_layer_needs_element_size_when_strides_differ():
     with pytest.raises(ValueError, match="element_size is required"):
         compat.transfer_hicache_all_layer_mla(None, None, None, None, cache_src_stride_bytes=1152,
@@ -113,3 +143,62 @@ def test_upstream_style_round_trip(element_dim, index_dtype):
         element_size=element_dim * 2)
     torch.cuda.synchronize()
     assert torch.equal(mla[3, dst_idx.long().cpu()], cuda_kv[0, 3, src_idx.long(), :element_dim].cpu())
+
+
+# Issue 18: API errors that did not name the argument (a TypeError from '<=' between int and str, an
+# AttributeError from a list, upstream's "Expected (page, ...)" with no argument named, a slice error for
+# layer_id, "pass one table per cache on both sides").
+_MLA_PAGES = torch.zeros(4, 2, 4, 8)                 # (page, layer, page_size, dim)
+_MHA_PAGES = torch.zeros(2, 1, 2, 2, 4, 1, 8)       # (page, head_group, layer, 2, page_size, head_in_group, dim)
+_IDX = torch.arange(4)
+_CACHE = torch.zeros(16, 1, 8)
+_KV = torch.zeros(16, 1, 8)
+
+
+@pytest.mark.parametrize("call,error,argument", [
+    (lambda: ops_module().set_tuning(bulk_warps="4"), TypeError, "bulk_warps"),
+    (lambda: ops_module().set_tuning(read_align=32.0), TypeError, "read_align"),
+    (lambda: ops_module().transfer_pointer_tables((_IDX, _IDX), _IDX, _IDX, _IDX, dst_stride_bytes=4,
+                                                  src_stride_bytes=4, element_size=4), ValueError, "tables_dst"),
+    (lambda: compat.transfer_hicache_one_layer_mla_page_unified_lf(_CACHE, _MLA_PAGES, _IDX, _IDX, "0"),
+     TypeError, "layer_id"),
+    (lambda: compat.transfer_hicache_one_layer_mla_page_unified_lf(_CACHE, _MLA_PAGES, _IDX, _IDX, 2),
+     ValueError, "layer_id"),
+    (lambda: compat.transfer_hicache_one_layer_mla_page_unified_lf(_CACHE, _MLA_PAGES, _IDX, _IDX, -1),
+     ValueError, "layer_id"),
+    (lambda: compat.transfer_hicache_one_layer_mla_page_unified_lf(_CACHE, [1], _IDX, _IDX, 0), TypeError, "src"),
+    (lambda: compat.transfer_hicache_one_layer_mla_page_unified_lf(_CACHE, _MLA_PAGES[0], _IDX, _IDX, 0),
+     ValueError, "src"),
+    (lambda: compat.transfer_hicache_one_layer_mla_page_unified_lf(_CACHE, _MLA_PAGES.transpose(1, 2), _IDX,
+                                                                  _IDX, 0), ValueError, "src"),
+    (lambda: compat.transfer_hicache_one_layer_mla_page_unified_lf(_CACHE, _MLA_PAGES, [0], _IDX, 0),
+     TypeError, "src_indices"),
+    (lambda: compat.transfer_hicache_one_layer_mla_page_unified_lf("x", _MLA_PAGES, _IDX, _IDX, 0), TypeError,
+     "cache_dst"),
+    (lambda: compat.transfer_hicache_one_layer_page_unified_lf(_KV, _KV, _MHA_PAGES, _IDX, _IDX, 5), ValueError,
+     "layer_id"),
+    (lambda: compat.transfer_hicache_one_layer_page_unified_lf(_KV, _KV, _MHA_PAGES[:, :, :, :1], _IDX, _IDX, 0),
+     ValueError, "src"),
+    (lambda: compat.transfer_hicache_all_layer_mla_staged_lf_page_unified(_IDX, _IDX, _IDX, _MLA_PAGES,
+                                                                          _MLA_PAGES[0]), ValueError, "dst"),
+    (lambda: compat.transfer_hicache_all_layer_mla_staged_lf_page_unified(_IDX, _IDX, _IDX, _MLA_PAGES[0],
+                                                                          _MLA_PAGES), ValueError, "staging"),
+    (lambda: compat.transfer_hicache_all_layer_staged_lf_page_unified(_IDX, _IDX, _IDX, _IDX, _MHA_PAGES,
+                                                                      _MHA_PAGES), ValueError, "staging"),
+    (lambda: compat.transfer_hicache_one_layer_mla_page_unified_lf(_CACHE, _MLA_PAGES.to("meta"), _IDX, _IDX, 0),
+     ValueError, "src"),
+], ids=["set_tuning-str", "set_tuning-float", "tables-count", "pu-layer-str", "pu-layer-range", "pu-layer-neg",
+        "pu-src-list", "pu-src-3d", "pu-src-strided", "pu-indices-list", "pu-cache-str", "pu-mha-layer",
+        "pu-mha-kv-dim", "wb-dst-3d", "wb-staging-3d", "wb-staging-cpu", "pu-src-meta"])
+def test_api_errors_name_the_argument(call, error, argument):
+    import re
+
+    with pytest.raises(error) as info:
+        call()
+    assert re.search(rf"\b{argument}\b", str(info.value)), str(info.value)
+
+
+def ops_module():
+    from sglang_hicache_jit import ops
+
+    return ops

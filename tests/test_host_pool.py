@@ -698,3 +698,91 @@ def test_resident_backend_without_the_kernel_takes_the_direct_path(kind):
     pool's path (here: no GPU) it runs the direct path, like 'kernel' does."""
     pool = round_trip(kind, "page_first", 16, 576, False, "resident", seed=11)
     assert pool._path("resident", "load") == "direct"
+
+
+# ---------------------------------------------------------------------------
+# Issue 18: D3 (a free that breaks a page), T8-T10 (inputs that raised from inside torch or Python).
+
+def test_d3_a_free_must_be_whole_pages_so_no_slot_gets_two_owners():
+    dp = make_device_pool("mla", 656, torch.Generator().manual_seed(5))
+    pool = make_host_pool(dp, size=16, page_size=4, layout="page_first")
+    first = pool.alloc(8)  # [0..7]: the first owner holds slots 0-7
+    for broken in ([0, 1, 2, 5], [1, 0, 2, 3], [4, 5, 6, 7, 1, 2, 3, 4], [2, 3, 4, 5]):
+        with pytest.raises(ValueError, match="whole pages.*nothing was freed"):
+            pool.free(torch.tensor(broken))
+    assert pool.available_size() == 8  # the refused frees changed nothing
+    second = pool.alloc(8)
+    assert sorted(second.tolist()) == list(range(8, 16))  # never a slot the first owner still holds
+    owned = [pool.get_data_page(p).clone() for p in (0, 4)]
+    for start in (int(second[0]), int(second[4])):  # the new owner writes its whole pages
+        pool.set_from_flat_data_page(start, pool.get_dummy_flat_data_page() + 1)
+    assert all(torch.equal(pool.get_data_page(p), page) for p, page in zip((0, 4), owned))
+    assert pool.free(first) == 8 and pool.free(second) == 8 and pool.available_size() == 16
+    assert pool.free(torch.tensor([], dtype=torch.int64)) == 0
+
+
+@pytest.mark.parametrize("size,page_size,match", [
+    (10, 0, "page_size must be an int of at least 1"),  # alloc() raised ZeroDivisionError
+    (-1, 1, "size must be an int of at least 0"),  # RuntimeError from torch.zeros(-1)
+    (10, -1, "page_size must be an int of at least 1"),  # accepted
+    (10, 3, r"size \(10\) must be a multiple of page_size \(3\)"),
+    (True, 1, "size must be an int"), (10.0, 1, "size must be an int"), (10, None, "page_size must be an int")])
+def test_t8_slot_allocator_validates_its_construction(size, page_size, match):
+    from sglang_hicache_jit.slot_allocator import SlotAllocator
+
+    with pytest.raises(ValueError, match=match):
+        SlotAllocator(size, page_size)
+
+
+def test_t8_a_valid_slot_allocator_still_works():
+    from sglang_hicache_jit.slot_allocator import SlotAllocator
+
+    assert SlotAllocator(0, 4).alloc(0).numel() == 0 and SlotAllocator(0, 4).alloc(4) is None
+    alloc = SlotAllocator(12, 4)
+    assert alloc.alloc(12).tolist() == list(range(12))
+
+
+def _meta(t):
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+@pytest.mark.parametrize("kind", ["meta", "sparse", "sparse_csr"])
+def test_t9_meta_and_sparse_tensors_are_refused_naming_the_argument(kind):
+    dp = make_device_pool("mla", 656, torch.Generator().manual_seed(6))
+    pool = make_host_pool(dp, size=16, page_size=4, layout="page_first")
+    held = pool.alloc(8)
+    convert = {"meta": _meta, "sparse": lambda t: t.to_sparse(),
+               "sparse_csr": lambda t: t.reshape(1, -1).to_sparse_csr()}[kind]
+    error, what = (ValueError, "must be on the CPU or a GPU, got a meta tensor") if kind == "meta" else \
+        (TypeError, "must be a dense \\(strided\\) tensor")
+    with pytest.raises(error, match=f"indices {what}"):
+        pool.free(convert(held))
+    with pytest.raises(error, match=f"data_page {what}"):
+        pool.set_from_flat_data_page(0, convert(pool.get_dummy_flat_data_page()))
+    for name, args in (("host_indices", (convert(held), held)), ("device_indices", (held, convert(held)))):
+        with pytest.raises(error, match=f"{name} {what}"):
+            pool.backup_from_device_all_layer(dp, *args, "direct")
+        with pytest.raises(error, match=f"{name} {what}"):
+            pool.load_to_device_per_layer(dp, *args, 0, "direct")
+    if kind == "meta":
+        meta_pool = MLADevicePool([_meta(t) for t in dp.kv_buffer])
+        with pytest.raises(error, match=f"device_pool layer 0 {what}"):
+            MLAHostKVPool(meta_pool, size=16, page_size=4, layout="page_first")
+        with pytest.raises(error, match=f"device_pool layer 0 {what}"):
+            pool.backup_from_device_all_layer(meta_pool, held, held, "direct")
+    assert pool.available_size() == 8 and pool.free(held) == 8
+
+
+@pytest.mark.parametrize("size,page_size,match", [(4, 2 ** 40, "page_size .* must not exceed size"),
+                                                  (2 ** 62, 1, "size .* is too large"),
+                                                  (2 ** 62, 2 ** 20, "size .* is too large")])
+def test_t10_a_pool_that_cannot_exist_is_refused_before_allocating(size, page_size, match):
+    dp = make_device_pool("mla", 576, torch.Generator().manual_seed(7))
+    with pytest.raises(ValueError, match=match):
+        MLAHostKVPool(dp, size=size, page_size=page_size, layout="page_first")
+
+
+def test_t10_a_size_between_pages_is_still_rounded_up():
+    dp = make_device_pool("mla", 576, torch.Generator().manual_seed(8))
+    assert make_host_pool(dp, size=10, page_size=4, layout="page_first").size == 12
+    assert make_host_pool(dp, size=4, page_size=4, layout="page_first").size == 4
