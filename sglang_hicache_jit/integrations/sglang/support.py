@@ -69,10 +69,10 @@ def describe() -> dict:
     try:
         switch, switch_error = settings.sglang_plugin_enabled(), None
     except ValueError as exc:  # a value the setting does not take: the plugin logs it and stays off
-        switch, switch_error = False, str(exc)
+        switch, switch_error = None, getattr(exc, "reason", str(exc))
     loads_plugins = _has_plugin_mechanism() if sglang_version else None
     row = release_row(sglang_version)
-    described = {"sglang": sglang_version, "entry_point": name, "switch": switch,
+    described = {"sglang": sglang_version, "entry_point": name, "switch": switch, "error": switch_error,
                  "sglang_plugins": sorted(whitelist) if whitelist is not None else None,
                  "loads_plugins": loads_plugins, "release": row, "active": False}
     if not name:
@@ -84,7 +84,7 @@ def describe() -> dict:
                 f"{FIRST_WITH_PLUGINS}), so its host pools keep their own kernels; upgrade SGLang to "
                 f"{FIRST_WITH_PLUGINS} or later (0.5.16+ for the layer-sharded pools this package fixes)")
     elif switch_error:
-        line = f"off: {switch_error}"
+        line = f"not active, SGLang runs unchanged: {switch_error}"
     elif not switch:
         line = f"off ({settings.SGLANG_PLUGIN}=0); SGLang {sglang_version} runs unchanged"
     elif whitelist is not None and name not in whitelist:
