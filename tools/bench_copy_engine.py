@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """How fast do the GPU's copy engines move strided rows? One cudaMemcpy2DAsync per measurement
 (so host submission cost is out of the picture), for row widths from 256 B to a contiguous block,
-host->GPU, GPU->host and GPU->GPU. Explains the direct path's ceiling (docs/host_pool.md)."""
+host->GPU, GPU->host and GPU->GPU. Explains the direct path's ceiling (docs/host_pool.md).
+``flat``: the driver's cuMemcpyBatchAsync on 72 KiB pages, alone and through the direct path."""
 
 import ctypes
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -96,6 +98,65 @@ def many_small(copies: int = 256, rows: int = 64, width: int = 1152, pitch: int 
                   flush=True)
 
 
+
+
+def flat_batch(pages: int = 1024, page_bytes: int = 64 * 1152, layers: int = 8) -> None:
+    """The driver's cuMemcpyBatchAsync alone (copies planned beforehand, one call per timing) against the
+    direct path's whole call (planning included): where does a batch of page_first_direct pages lose time?"""
+    from sglang_hicache_jit import direct
+
+    torch.cuda.set_stream(torch.cuda.Stream())  # the batch call refuses the legacy NULL stream
+    driver = direct.driver_batch()
+    host = torch.empty((4 * pages, layers, page_bytes), dtype=torch.uint8, pin_memory=True)
+    host.view(-1)[:] = 7
+    dev = torch.empty((2 * pages, page_bytes), dtype=torch.uint8, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    host_pages = torch.randperm(4 * pages, generator=gen)[:pages].sort().values
+    dev_pages = torch.randperm(2 * pages, generator=gen)[:pages]
+    stream = torch.cuda.current_stream().cuda_stream
+    nbytes = pages * page_bytes
+    for order, flags in ((1, 0), (1, 1), (3, 0)):
+        driver._attributes.srcAccessOrder, driver._attributes.flags = order, flags
+        for name, (dst, src) in {"h2d": (dev.data_ptr() + dev_pages * page_bytes,
+                                         host.data_ptr() + host_pages * layers * page_bytes),
+                                 "d2h": (host.data_ptr() + host_pages * layers * page_bytes,
+                                         dev.data_ptr() + dev_pages * page_bytes)}.items():
+            sizes = torch.full((pages,), page_bytes, dtype=torch.int64)
+            times = []
+            for _ in range(8):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                driver.copy(dst.contiguous(), src.contiguous(), sizes, stream)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            t = statistics.median(times[1:])
+            print(f"  driver batch {name} order={order} flags={flags}: {pages} copies of {page_bytes} B "
+                  f"{nbytes / t / 1e9:6.1f} GB/s, {t / pages * 1e6:5.2f} us per copy", flush=True)
+    driver._attributes.srcAccessOrder, driver._attributes.flags = 1, 0
+    rows = host.view(-1, 1152)  # 1152-B rows: layer 0's page p starts at row p * layers * 64
+    host_idx = (host_pages[:, None] * layers * 64 + torch.arange(64)).reshape(-1)
+    dev_idx = (dev_pages[:, None] * 64 + torch.arange(64)).reshape(-1)
+    pairs = direct.Pairs([(dev.view(-1, 1152), rows)])
+    for _ in range(3):
+        direct.copy_rows(pairs, dev_idx, host_idx)
+    torch.cuda.synchronize()
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start_ev.record()
+    for _ in range(20):
+        direct.copy_rows(pairs, dev_idx, host_idx)
+    end_ev.record()
+    host_s = (time.perf_counter() - t0) / 20
+    end_ev.synchronize()
+    gpu_s = start_ev.elapsed_time(end_ev) / 1e3 / 20
+    print(f"  copy_rows h2d, {pages} pages: host {host_s * 1e6:7.1f} us per call, GPU {gpu_s * 1e6:7.1f} us per call "
+          f"({nbytes / gpu_s / 1e9:5.1f} GB/s)", flush=True)
+
+
 if __name__ == "__main__":
-    main()
-    many_small()
+    if sys.argv[1:] == ["flat"]:
+        flat_batch()
+    else:
+        main()
+        many_small()

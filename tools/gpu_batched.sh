@@ -10,7 +10,7 @@ OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 P=${*:-"jit jit-q2 jit-resident direct direct-batch3d direct-2d"}
 B="python3 -m sglang_hicache_jit bench --host-layout page_first_direct --workloads mla-bf16 --host-slots 262144 -q"
 echo "== alone"
-timeout 240 $B --scopes one --page-sizes 64 16 --tokens 1024 4096 16384 65536 --providers $P \
+timeout 240 $B --scopes one --page-sizes ${PAGES:-64 16} --tokens 1024 4096 16384 65536 --providers $P \
   --json "$OUT/batched-alone.json" 2>&1 | tail -3
 python3 - "$OUT/batched-alone.json" <<'PY'
 import json, sys
