@@ -88,7 +88,7 @@ def _register() -> None:
 
 def _log_summary(decisions) -> None:
     row = release_row(status["sglang"])
-    checked = (f"checked against sglang {row['sglang']}" if row and not row.get("inferred")
+    checked = (f"checked against sglang {row['sglang']}" if row is not None
                else "not among the releases this package was checked against; patching what fits")
     ops = sum(1 for d in decisions if d.patched and d.target.kind == "REPLACE")
     methods = sum(1 for d in decisions if d.patched and d.target.kind != "REPLACE")
