@@ -2,7 +2,9 @@
 """How fast do the GPU's copy engines move strided rows? One cudaMemcpy2DAsync per measurement
 (so host submission cost is out of the picture), for row widths from 256 B to a contiguous block,
 host->GPU, GPU->host and GPU->GPU. Explains the direct path's ceiling (docs/host_pool.md).
-``flat``: the driver's cuMemcpyBatchAsync on 72 KiB pages, alone and through the direct path."""
+``flat``: the driver's cuMemcpyBatchAsync on 72 KiB pages, alone and through the direct path.
+``sizes``: the same call by copy size (what run length reaches the kernel's rate), each direction alone
+and both at once, beside the contiguous copy and the JIT kernel in the same run."""
 
 import ctypes
 import statistics
@@ -154,9 +156,108 @@ def flat_batch(pages: int = 1024, page_bytes: int = 64 * 1152, layers: int = 8) 
           f"({nbytes / gpu_s / 1e9:5.1f} GB/s)", flush=True)
 
 
+def _gpu_seconds(launch, reps: int = 8) -> float:
+    """Median GPU time of ``launch()`` by CUDA events on the current stream, after one warm-up call."""
+    times = []
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times[1:])
+
+
+def _both_ways(h2d, d2h, reps: int = 8) -> float:
+    """Median wall time (CUDA events) of ``h2d()`` and ``d2h()`` issued together on two side streams."""
+    main = torch.cuda.current_stream()
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+
+    def launch():
+        for stream, work in zip(streams, (h2d, d2h)):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                work()
+        for stream in streams:
+            main.wait_stream(stream)
+    return _gpu_seconds(launch, reps)
+
+
+def sizes_sweep(total: int = 64 * 2**20, row: int = 1152) -> None:
+    """One cuMemcpyBatchAsync call moving ``total`` bytes in copies of 8 rows to 4 MiB, pages placed at
+    random on both sides (host side sorted, as HiCache allocates), random bytes. Each direction alone
+    and both at once (two streams), against one contiguous copy of the same bytes and the JIT kernel
+    moving the same bytes as rows (page 64), all in this run."""
+    from sglang_hicache_jit import direct, ops
+
+    torch.cuda.set_stream(torch.cuda.Stream())  # the batch call refuses the legacy NULL stream
+    driver = direct.driver_batch()
+    if driver is None:
+        print(f"no driver batch call here: {direct.batch_status()[1]}")
+        return
+    host = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
+    host.copy_(torch.randint(0, 256, (2 * total,), dtype=torch.uint8, device="cuda"))
+    dev = torch.randint(0, 256, (2 * total,), dtype=torch.uint8, device="cuda")
+    stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+    gen = torch.Generator().manual_seed(0)
+    gb = lambda nbytes, t: nbytes / t / 1e9  # noqa: E731
+
+    # The ceiling: one contiguous copy of the same bytes, each way and both at once.
+    h_flat, d_flat = host[:total], dev[:total]
+    d_flat2, h_flat2 = dev[total:], host[total:]
+    ceiling = {"h2d": gb(total, _gpu_seconds(lambda: d_flat.copy_(h_flat, non_blocking=True))),
+               "d2h": gb(total, _gpu_seconds(lambda: h_flat2.copy_(d_flat2, non_blocking=True))),
+               "both": gb(2 * total, _both_ways(lambda: d_flat.copy_(h_flat, non_blocking=True),
+                                                lambda: h_flat2.copy_(d_flat2, non_blocking=True)))}
+    print(f"{torch.cuda.get_device_name()}: {total >> 20} MiB per direction; contiguous copy "
+          f"h2d {ceiling['h2d']:.1f}, d2h {ceiling['d2h']:.1f}, both {ceiling['both']:.1f} GB/s", flush=True)
+
+    # The kernel on the same bytes: rows of ``row`` B, random pages of 64 rows. Each direction has its own
+    # pages on both sides (a permutation split in halves), so running both at once races on nothing.
+    rows = total // row
+    pages = rows // 64
+    host_rows, dev_rows = host[:2 * rows * row].view(-1, row), dev[:2 * rows * row].view(-1, row)
+
+    def page_rows(page_ids, sort):
+        page_ids = page_ids.sort().values if sort else page_ids
+        return (page_ids[:, None] * 64 + torch.arange(64)).reshape(-1).cuda()
+    host_pages, dev_pages = torch.randperm(2 * pages, generator=gen), torch.randperm(2 * pages, generator=gen)
+    h_in, h_out = page_rows(host_pages[:pages], True), page_rows(host_pages[pages:], True)
+    d_in, d_out = page_rows(dev_pages[:pages], False), page_rows(dev_pages[pages:], False)
+    kernel = {"h2d": lambda: ops.transfer_one_layer_mla(dev_rows, d_in, host_rows, h_in),
+              "d2h": lambda: ops.transfer_one_layer_mla(host_rows, h_out, dev_rows, d_out)}
+    k = {name: gb(total, _gpu_seconds(fn)) for name, fn in kernel.items()}
+    k["both"] = gb(2 * total, _both_ways(kernel["h2d"], kernel["d2h"]))
+    print(f"  jit kernel, {row}-B rows, page 64:         h2d {k['h2d']:5.1f} ({k['h2d'] / ceiling['h2d']:.2f})"
+          f"  d2h {k['d2h']:5.1f} ({k['d2h'] / ceiling['d2h']:.2f})  both {k['both']:5.1f} "
+          f"({k['both'] / ceiling['both']:.2f})", flush=True)
+
+    print(f"  {'copy KiB':>8} {'copies':>6}  {'h2d GB/s':>13} {'d2h GB/s':>13} {'both GB/s':>13} {'us/copy h2d':>11}")
+    for size in (8 * row, 16 * row, 32 * row, 64 * row, 128 * row, 256 * row, 512 * row, 1024 * row,
+                 4096 * row):
+        count = total // size
+        # the host side's copies in address order (a sorted allocation), the device side's at random;
+        # each direction on its own half of the slots, so both at once race on nothing
+        h_slots, d_slots = torch.randperm(2 * count, generator=gen), torch.randperm(2 * count, generator=gen)
+        hc_in, hc_out = (host.data_ptr() + h_slots[:count].sort().values * size,
+                         host.data_ptr() + h_slots[count:].sort().values * size)
+        dc_in, dc_out = dev.data_ptr() + d_slots[:count] * size, dev.data_ptr() + d_slots[count:] * size
+        lengths = torch.full((count,), size, dtype=torch.int64)
+        h2d = lambda: driver.copy(dc_in, hc_in, lengths, stream())  # noqa: E731
+        d2h = lambda: driver.copy(hc_out, dc_out, lengths, stream())  # noqa: E731
+        t_h2d, t_d2h = _gpu_seconds(h2d), _gpu_seconds(d2h)
+        rates = {"h2d": gb(count * size, t_h2d), "d2h": gb(count * size, t_d2h),
+                 "both": gb(2 * count * size, _both_ways(h2d, d2h))}
+        cells = "".join(f" {rates[n]:6.1f} ({rates[n] / ceiling[n]:.2f})" for n in ("h2d", "d2h", "both"))
+        print(f"  {size / 1024:8.1f} {count:6d} {cells} {t_h2d / count * 1e6:11.2f}", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["flat"]:
         flat_batch()
+    elif sys.argv[1:] == ["sizes"]:
+        sizes_sweep()
     else:
         main()
         many_small()
