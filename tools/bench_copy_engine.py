@@ -3,10 +3,14 @@
 (so host submission cost is out of the picture), for row widths from 256 B to a contiguous block,
 host->GPU, GPU->host and GPU->GPU. Explains the direct path's ceiling (docs/host_pool.md).
 ``flat``: the driver's cuMemcpyBatchAsync on 72 KiB pages, alone and through the direct path.
+``streams``: one direction's batch dealt over 1, 2 or 4 streams.
+``plan``: the direct path's host-side planning for 64K tokens in 64-token pages, stage by stage (no GPU needed).
 ``sizes``: the same call by copy size (what run length reaches the kernel's rate), each direction alone
 and both at once, beside the contiguous copy and the JIT kernel in the same run."""
 
+import cProfile
 import ctypes
+import pstats
 import statistics
 import sys
 import time
@@ -137,24 +141,32 @@ def flat_batch(pages: int = 1024, page_bytes: int = 64 * 1152, layers: int = 8) 
                   f"{nbytes / t / 1e9:6.1f} GB/s, {t / pages * 1e6:5.2f} us per copy", flush=True)
     driver._attributes.srcAccessOrder, driver._attributes.flags = 1, 0
     rows = host.view(-1, 1152)  # 1152-B rows: layer 0's page p starts at row p * layers * 64
-    host_idx = (host_pages[:, None] * layers * 64 + torch.arange(64)).reshape(-1)
-    dev_idx = (dev_pages[:, None] * 64 + torch.arange(64)).reshape(-1)
-    pairs = direct.Pairs([(dev.view(-1, 1152), rows)])
-    for _ in range(3):
-        direct.copy_rows(pairs, dev_idx, host_idx)
-    torch.cuda.synchronize()
-    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start_ev.record()
+    for count in (pages // 4, pages):  # 16K and 64K tokens
+        host_idx = (host_pages[:count, None] * layers * 64 + torch.arange(64)).reshape(-1)
+        dev_idx = (dev_pages[:count, None] * 64 + torch.arange(64)).reshape(-1)
+        pairs = direct.Pairs([(dev.view(-1, 1152), rows)])
+        for _ in range(3):
+            direct.copy_rows(pairs, dev_idx, host_idx)
+        torch.cuda.synchronize()
+        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start_ev.record()
+        for _ in range(20):
+            direct.copy_rows(pairs, dev_idx, host_idx)
+        end_ev.record()
+        host_s = (time.perf_counter() - t0) / 20
+        end_ev.synchronize()
+        gpu_s = start_ev.elapsed_time(end_ev) / 1e3 / 20
+        print(f"  copy_rows h2d, {count} pages, 20 calls back to back: host {host_s * 1e6:7.1f} us per call, "
+              f"GPU {gpu_s * 1e6:7.1f} us per call ({count * page_bytes / gpu_s / 1e9:5.1f} GB/s)", flush=True)
+    # Where the host's time goes in the last configuration
+    profile = cProfile.Profile()
+    profile.enable()
     for _ in range(20):
         direct.copy_rows(pairs, dev_idx, host_idx)
-    end_ev.record()
-    host_s = (time.perf_counter() - t0) / 20
-    end_ev.synchronize()
-    gpu_s = start_ev.elapsed_time(end_ev) / 1e3 / 20
-    print(f"  copy_rows h2d, {pages} pages: host {host_s * 1e6:7.1f} us per call, GPU {gpu_s * 1e6:7.1f} us per call "
-          f"({nbytes / gpu_s / 1e9:5.1f} GB/s)", flush=True)
-
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(12)
 
 def _gpu_seconds(launch, reps: int = 8) -> float:
     """Median GPU time of ``launch()`` by CUDA events on the current stream, after one warm-up call."""
@@ -233,7 +245,7 @@ def sizes_sweep(total: int = 64 * 2**20, row: int = 1152) -> None:
           f"  d2h {k['d2h']:5.1f} ({k['d2h'] / ceiling['d2h']:.2f})  both {k['both']:5.1f} "
           f"({k['both'] / ceiling['both']:.2f})", flush=True)
 
-    print(f"  {'copy KiB':>8} {'copies':>6}  {'h2d GB/s':>13} {'d2h GB/s':>13} {'both GB/s':>13} {'us/copy h2d':>11}")
+    print(f"  {'copy KiB':>8} {'copies':>6}  {'h2d GB/s':>13} {'d2h GB/s':>13} {'both GB/s':>13} {'us/copy h2d':>11} {'host us/copy':>12}")
     for size in (8 * row, 16 * row, 32 * row, 64 * row, 128 * row, 256 * row, 512 * row, 1024 * row,
                  4096 * row):
         count = total // size
@@ -247,10 +259,95 @@ def sizes_sweep(total: int = 64 * 2**20, row: int = 1152) -> None:
         h2d = lambda: driver.copy(dc_in, hc_in, lengths, stream())  # noqa: E731
         d2h = lambda: driver.copy(hc_out, dc_out, lengths, stream())  # noqa: E731
         t_h2d, t_d2h = _gpu_seconds(h2d), _gpu_seconds(d2h)
+        # The host's share: how long the call itself takes to return (the GPU idle before it, so the
+        # copies cannot start until submitted), median of 8.
+        submit = []
+        for _ in range(8):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            h2d()
+            submit.append(time.perf_counter() - t0)
+        host_us = statistics.median(submit) / count * 1e6
         rates = {"h2d": gb(count * size, t_h2d), "d2h": gb(count * size, t_d2h),
                  "both": gb(2 * count * size, _both_ways(h2d, d2h))}
         cells = "".join(f" {rates[n]:6.1f} ({rates[n] / ceiling[n]:.2f})" for n in ("h2d", "d2h", "both"))
-        print(f"  {size / 1024:8.1f} {count:6d} {cells} {t_h2d / count * 1e6:11.2f}", flush=True)
+        print(f"  {size / 1024:8.1f} {count:6d} {cells} {t_h2d / count * 1e6:11.2f} {host_us:12.2f}", flush=True)
+
+
+def planning(pages: int = 1024, page_rows: int = 64, row: int = 1152) -> None:
+    """Host time of each planning stage of ``direct.copy_rows`` for ``pages`` random pages of one packed
+    pair (CPU indices, as HiCache's host side has them), median of 50 calls each; no GPU is touched."""
+    from sglang_hicache_jit import direct
+
+    gen = torch.Generator().manual_seed(0)
+    host_pages = torch.randperm(4 * pages, generator=gen)[:pages].sort().values
+    dev_pages = torch.randperm(2 * pages, generator=gen)[:pages]
+    host_idx = (host_pages[:, None] * page_rows + torch.arange(page_rows)).reshape(-1)
+    dev_idx = (dev_pages[:, None] * page_rows + torch.arange(page_rows)).reshape(-1)
+    pairs = direct.Pairs([(direct.Rows.at(1 << 40, row, row, 0, 2 * pages * page_rows),
+                           direct.Rows.at(1 << 41, row, row, 0, 4 * pages * page_rows))])
+
+    def median_us(fn):
+        times = []
+        for _ in range(51):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:]) * 1e6
+
+    runs = direct.find_runs(dev_idx, host_idx)
+    split = direct.split_runs(runs, max(1, direct.MAX_COPY_BYTES // row))
+    words = direct.describe_copies(pairs, split)
+    flat = pairs.packed.repeat_interleave(len(split))
+    stages = {
+        "find_runs": lambda: direct.find_runs(dev_idx, host_idx),
+        "check_bounds": lambda: direct.check_bounds(runs, pairs.dst_rows, pairs.src_rows),
+        "split_runs": lambda: direct.split_runs(runs, max(1, direct.MAX_COPY_BYTES // row)),
+        "describe_copies": lambda: direct.describe_copies(pairs, split),
+        "flat columns": lambda: (words[flat][:, direct._word("dst.ptr")].contiguous(), words[~flat].contiguous()),
+    }
+    print(f"planning {pages} pages of {page_rows} x {row} B ({pages * page_rows} indices), torch threads "
+          f"{torch.get_num_threads()}:")
+    for name, fn in stages.items():
+        print(f"  {name:<16} {median_us(fn):8.1f} us", flush=True)
+
+
+def split_streams(total: int = 64 * 2**20, row: int = 1152) -> None:
+    """One direction's batch split over 1, 2 or 4 streams (one batch call each, the copies dealt round
+    robin): does a second copy engine take the fixed per-copy cost in parallel?"""
+    from sglang_hicache_jit import direct
+
+    torch.cuda.set_stream(torch.cuda.Stream())
+    driver = direct.driver_batch()
+    host = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
+    host.copy_(torch.randint(0, 256, (2 * total,), dtype=torch.uint8, device="cuda"))
+    dev = torch.randint(0, 256, (2 * total,), dtype=torch.uint8, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    ceiling = total / _gpu_seconds(lambda: dev[:total].copy_(host[:total], non_blocking=True)) / 1e9
+    print(f"contiguous h2d {ceiling:.1f} GB/s")
+    for size in (32 * row, 64 * row, 128 * row):
+        count = total // size
+        h_off = torch.randperm(2 * count, generator=gen)[:count].sort().values * size
+        d_off = torch.randperm(2 * count, generator=gen)[:count] * size
+        for direction in ("h2d", "d2h"):
+            dst, src = ((dev.data_ptr() + d_off, host.data_ptr() + h_off) if direction == "h2d"
+                        else (host.data_ptr() + h_off, dev.data_ptr() + d_off))
+            for nstreams in (1, 2, 4):
+                streams = [torch.cuda.Stream() for _ in range(nstreams)]
+                parts = [(dst[i::nstreams].contiguous(), src[i::nstreams].contiguous(),
+                          torch.full((len(range(i, count, nstreams)),), size, dtype=torch.int64))
+                         for i in range(nstreams)]
+                main = torch.cuda.current_stream()
+
+                def launch():
+                    for stream, (d, s_, n) in zip(streams, parts):
+                        stream.wait_stream(main)
+                        driver.copy(d, s_, n, stream.cuda_stream)
+                    for stream in streams:
+                        main.wait_stream(stream)
+                rate = count * size / _gpu_seconds(launch) / 1e9
+                print(f"  {size / 1024:6.1f} KiB x {count:4d} {direction} over {nstreams} stream(s): {rate:5.1f} GB/s "
+                      f"({rate / ceiling:.2f})", flush=True)
 
 
 if __name__ == "__main__":
@@ -258,6 +355,10 @@ if __name__ == "__main__":
         flat_batch()
     elif sys.argv[1:] == ["sizes"]:
         sizes_sweep()
+    elif sys.argv[1:] == ["streams"]:
+        split_streams()
+    elif sys.argv[1:] == ["plan"]:
+        planning()
     else:
         main()
         many_small()
