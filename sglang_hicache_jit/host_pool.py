@@ -73,21 +73,38 @@ class MHADevicePool:
     owned_layers: tuple | None = None
 
 
-def choose_io_backend(kernel_available: bool, operation: str) -> str:
+# Where a load on the copy engines keeps up with the kernel (tools/bench_auto.py, H200, 1152-B rows,
+# SGLang's 8-layer per-layer load loop beside back-to-back bf16 matmuls, two runs): with 576 KiB copies
+# (pages of 512 rows) and 64K tokens per layer the copy engines moved 0.91 / 0.72 of the link at +3.0% /
+# +2.6% matmul time, the kernel 0.71 / 0.79 at +8.1% / +7.5%. With 288 KiB copies they trailed (0.63 /
+# 0.79 against 0.77 / 0.79), and at 16K tokens per layer they reached at most 0.47 against the kernel's
+# 0.42-0.43 alone 0.80: the per-call planning and submission cost is not amortized. docs/BENCHMARKS.md.
+DIRECT_LOAD_MIN_COPY_BYTES = 512 * 1024
+DIRECT_LOAD_MIN_CALL_BYTES = 64 * 1024 * 1024
+
+
+def choose_io_backend(kernel_available: bool, operation: str, *, copy_bytes: int = 0, call_bytes: int = 0,
+                      indices_on_host: bool = False) -> str:
     """The ``io_backend="auto"`` policy for ``operation`` ('load' or 'backup').
 
-    Measured on an H200 beside a saturating bf16 matmul (docs/BENCHMARKS.md,
-    tools/bench_pool.py): a per-layer load through the kernel moved 22 GB/s
-    (matmul +6%) against 15 GB/s (+5%) through the copy engines, so loads take
-    the kernel; an all-layer backup through the kernel moved 39 GB/s but
-    slowed the matmul by 35%, against 15 GB/s and +3% on the copy engines, so
-    backups, which are off the critical path, take the copy engines. Serving
-    always overlaps transfers with compute, hence this choice; pass
+    Backups, which are off the critical path, take the copy engines: beside a
+    saturating bf16 matmul on an H200 an all-layer backup through the kernel
+    moved 39 GB/s but slowed the matmul by 35%, against 15 GB/s and +3% on the
+    copy engines (tools/bench_pool.py). Loads take the kernel (0.80-0.82 of the
+    link alone at 16K-64K tokens per layer), unless the call is one the copy
+    engines serve as fast at a third of the matmul's slow-down: each copy
+    (``copy_bytes``, one page of one layer when the layout keeps it contiguous)
+    at least DIRECT_LOAD_MIN_COPY_BYTES, the call (``call_bytes``) at least
+    DIRECT_LOAD_MIN_CALL_BYTES, and the indices already on the host (the direct
+    path plans on the CPU; GPU indices would cost a host sync). Pass
     io_backend="kernel" for the fastest backup on an idle GPU (0.88 of the link).
     """
     if operation not in ("load", "backup"):
         raise ValueError(f"operation must be 'load' or 'backup', got {operation!r}")
-    return "kernel" if kernel_available and operation == "load" else "direct"
+    if not kernel_available or operation == "backup":
+        return "direct"
+    large = copy_bytes >= DIRECT_LOAD_MIN_COPY_BYTES and call_bytes >= DIRECT_LOAD_MIN_CALL_BYTES
+    return "direct" if large and indices_on_host else "kernel"
 
 
 def _log_choice_once(path: str, reason: str) -> None:
@@ -172,6 +189,9 @@ class HostKVPool:
         self.dtype = first.dtype
         self.row_shape = tuple(first.shape[1:])
         self.row_bytes = math.prod(self.row_shape) * first.element_size()
+        # One direct-path copy: a page of a layer where the layout keeps it contiguous, else one row.
+        strided = layout == "page_first" and self.layer_num > 1
+        self.copy_bytes = self.row_bytes if strided else self.row_bytes * page_size
         nbytes = self.size * self.layer_num * self.row_bytes * self.num_caches
         if nbytes >= 1 << 63:  # past what a tensor can address (torch raised an overflow RuntimeError)
             kv = " for K and V" if self.num_caches == 2 else ""
@@ -292,7 +312,7 @@ class HostKVPool:
             raise ValueError(f"host_indices has {host_indices.shape[0]} entries but device_indices has "
                              f"{device_indices.shape[0]}; they must have the same length")
 
-    def _path(self, io_backend, operation: str) -> str:
+    def _path(self, io_backend, operation: str, device_indices=None) -> str:
         if io_backend == "direct":
             return "direct"
         if io_backend == "kernel":  # the kernel where it works, else the direct path (logged at construction)
@@ -300,7 +320,10 @@ class HostKVPool:
         if io_backend == "resident":  # the kernel's resident method (docs/kernels.md), else the direct path
             return "resident" if self.transfer_path == "kernel" else "direct"
         if io_backend == "auto":
-            return choose_io_backend(self.transfer_path == "kernel", operation)
+            tokens = 0 if device_indices is None else device_indices.shape[0]
+            return choose_io_backend(self.transfer_path == "kernel", operation, copy_bytes=self.copy_bytes,
+                                     call_bytes=tokens * self.row_bytes * self.num_caches,
+                                     indices_on_host=device_indices is not None and not device_indices.is_cuda)
         raise ValueError(f"Unsupported IO backend: {io_backend!r} (choose one of {', '.join(IO_BACKENDS)})")
 
     def _layer(self, layer_id) -> int:
@@ -318,8 +341,8 @@ class HostKVPool:
         host[layer_id - start][host_indices[i]]``. A layer this rank does not own
         is a silent no-op (as upstream)."""
         layer = self._layer(layer_id)
-        path = self._path(io_backend, "load")
         self._check_index_pair(host_indices, device_indices)
+        path = self._path(io_backend, "load", device_indices)
         start, end = self.owned_layers
         if not start <= layer < end:
             return

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""What the pools' ``io_backend="auto"`` should pick for a load: the kernel or the copy engines, by page size.
+
+A load is on the critical path (the layer waits for it), so ``auto`` sends it where it is fastest beside
+compute. The copy engines' rate grows with the length of one copy (a page of one layer is one copy in
+``page_first_direct``), the kernel's does not; this measures where they cross.
+
+Workload: mla-bf16 rows (1152 B), a ``page_first_direct`` host pool of 8 layers, random whole pages
+(host pages sorted, as HiCache allocates), random bytes. For each page size and token count, SGLang's
+per-layer load loop (``load_to_device_per_layer`` for layers 0..7, one call each) through
+``io_backend="kernel"`` (GPU device indices, as SGLang passes them to the kernel) and ``"direct"`` (CPU
+indices, as SGLang moves them for its direct backend). Each is checked bit-exact, then timed:
+
+* alone: CUDA-event medians of the 8-layer loop, back to back;
+* beside back-to-back bf16 matmuls on another stream: the load's rate and the matmul's slow-down against
+  the matmul alone just before.
+
+The contiguous pinned copy of the same bytes (the ceiling) is measured in the same run.
+
+    python tools/bench_auto.py [--pages 64 128 256] [--tokens 4096 16384] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from bench_pool import Ceiling, fill_random, make_matmul, time_call, under_load  # noqa: E402
+from sglang_hicache_jit.host_pool import MLADevicePool, MLAHostKVPool  # noqa: E402
+
+DIM, LAYERS = 576, 8
+
+
+def make_indices(tokens: int, page: int, host_slots: int, device_slots: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    pages = tokens // page
+    host_pages = torch.randperm(host_slots // page, generator=gen)[:pages].sort().values
+    dev_pages = torch.randperm(device_slots // page, generator=gen)[:pages]
+    offsets = torch.arange(page)
+    return ((host_pages[:, None] * page + offsets).reshape(-1), (dev_pages[:, None] * page + offsets).reshape(-1))
+
+
+def expected(pool, host_idx: torch.Tensor, layer: int) -> torch.Tensor:
+    """The rows a load of ``layer`` must deliver, read from the (pages, L, P, 1, D) host buffer."""
+    page = pool.page_size
+    return pool.kv_buffer[host_idx // page, layer, host_idx % page]
+
+
+def measure(page: int, tokens: int, args, mm, ceiling: Ceiling) -> list[dict]:
+    device_pool = MLADevicePool([torch.empty((args.device_slots, 1, DIM), dtype=torch.bfloat16, device="cuda")
+                                 for _ in range(LAYERS)])
+    pool = MLAHostKVPool(device_pool, size=args.host_slots, page_size=page, layout="page_first_direct")
+    fill_random(pool.kv_buffer)
+    host_idx, dev_idx = make_indices(tokens, page, args.host_slots, args.device_slots, seed=page + tokens)
+    nbytes = tokens * pool.row_bytes * LAYERS
+    rows = []
+    for backend in ("kernel", "direct"):
+        if backend == "kernel" and pool.transfer_path != "kernel":
+            print(f"  skip kernel: {pool.transfer_path_reason}")
+            continue
+        dev = dev_idx.cuda() if backend == "kernel" else dev_idx
+
+        def load(backend=backend, dev=dev):
+            for layer in range(LAYERS):
+                pool.load_to_device_per_layer(device_pool, host_idx, dev, layer, backend)
+
+        for layer in device_pool.kv_buffer:
+            fill_random(layer)
+        load()
+        torch.cuda.synchronize()
+        exact = all(torch.equal(device_pool.kv_buffer[l][dev_idx.cuda()].cpu().view(torch.int16),
+                                expected(pool, host_idx, l).view(torch.int16))
+                    for l in range(LAYERS))
+        alone = nbytes / time_call(load, reps=args.reps) / 1e9
+        loaded = under_load(load, nbytes, nbytes / alone / 1e9, mm) if mm else {}
+        ceil = ceiling.rate(nbytes, "h2d", args.reps)
+        row = {"page": page, "tokens": tokens, "copy_KiB": page * pool.row_bytes / 1024, "backend": backend,
+               "alone_GBps": alone, "ceiling_GBps": ceil, "alone_ratio": alone / ceil, "bit_exact": exact,
+               "loaded_ratio": loaded.get("GBps_under_load", float("nan")) / ceil,
+               "matmul_slowdown": loaded.get("matmul_slowdown", float("nan"))}
+        rows.append(row)
+        print(f"p{page:<4} {tokens:>6} {row['copy_KiB']:6.0f} KiB {backend:<7} alone {alone:6.1f} GB/s "
+              f"x{row['alone_ratio']:.2f}  beside matmul x{row['loaded_ratio']:.2f} "
+              f"{row['matmul_slowdown'] * 100:+.1f}%  exact={'yes' if exact else 'NO'}", flush=True)
+    del pool, device_pool
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pages", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--host-slots", type=int, default=128 * 1024)
+    parser.add_argument("--device-slots", type=int, default=128 * 1024)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--no-load", action="store_true", help="skip the measurements beside the matmul")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_auto needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    mm = None if args.no_load else make_matmul()
+    ceiling = Ceiling()
+    rows = [row for page in args.pages for tokens in args.tokens for row in measure(page, tokens, args, mm, ceiling)]
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["bit_exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
