@@ -7,7 +7,9 @@ on either side skips its pair. The flow:
 
 1. indices -> CPU int64 (GPU indices are copied back, which synchronizes the
    host with the GPU; upstream's ``transfer_kv_direct`` does the same);
-2. ``find_runs``: maximal runs where both sides advance by one slot;
+2. ``plan_runs``: maximal runs where both sides advance by one slot, found
+   one entry per page when the indices are whole pages (what HiCache moves),
+   else one entry per row (``find_runs``);
 3. ``describe_copies``: one copy per run and pair. Rows of a run sit at a
    fixed stride on each side, so a run is one 2-D copy (width = row bytes,
    pitch = slot stride, height = run length); when both strides equal the row
@@ -201,6 +203,37 @@ def find_runs(indices_dst, indices_src) -> Runs:
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1])
     ends = torch.cat([starts[1:], torch.tensor([dst.numel()])])
     return Runs(dst[starts], src[starts], ends - starts)
+
+
+def whole_pages(indices: torch.Tensor, page_size: int, *, aligned: bool = False) -> torch.Tensor | None:
+    """The first index of every page if ``indices`` (CPU int64) is whole pages: groups of ``page_size``
+    consecutive slots, none negative (and each starting at a multiple of ``page_size`` if ``aligned``);
+    else None. HiCache moves whole pages, and planning one entry per page instead of one per token is
+    what keeps the direct path's host cost per call small (docs/BENCHMARKS.md)."""
+    count = indices.numel()
+    if page_size < 2 or count == 0 or count % page_size:
+        return None
+    pages = indices.view(-1, page_size)
+    starts = pages[:, 0]
+    if bool((starts < 0).any()) or (aligned and bool((starts % page_size).any())):
+        return None
+    if not torch.equal(pages - starts[:, None], torch.arange(page_size).expand_as(pages)):
+        return None
+    return starts
+
+
+def page_runs(dst_starts: torch.Tensor, src_starts: torch.Tensor, page_size: int) -> Runs:
+    """find_runs for whole pages given by their first slots: page ``i`` is ``page_size`` rows from
+    ``dst_starts[i]`` and from ``src_starts[i]``; pages that continue on both sides merge into one run."""
+    if dst_starts.numel() != src_starts.numel():
+        raise ValueError(f"dst_starts has {dst_starts.numel()} pages but src_starts has {src_starts.numel()}")
+    if dst_starts.numel() == 0:
+        empty = torch.empty(0, dtype=torch.int64)
+        return Runs(empty, empty, empty)
+    breaks = ((dst_starts[1:] - dst_starts[:-1]) != page_size) | ((src_starts[1:] - src_starts[:-1]) != page_size)
+    first = torch.cat([torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1])
+    ends = torch.cat([first[1:], torch.tensor([dst_starts.numel()])])
+    return Runs(dst_starts[first], src_starts[first], (ends - first) * page_size)
 
 
 def split_runs(runs: Runs, max_rows: int) -> Runs:
@@ -541,7 +574,8 @@ def batch_status() -> tuple[bool, str]:
 # ---------------------------------------------------------------------------
 # Execution.
 
-def copy_rows(pairs, indices_dst, indices_src, *, mode: str = "auto") -> str:
+def copy_rows(pairs, indices_dst, indices_src, *, mode: str = "auto", page_size: int = 1, dst_rows=None,
+              src_rows=None) -> str:
     """Copies ``src[indices_src[i]] -> dst[indices_dst[i]]`` for every pair.
 
     ``pairs`` is a Pairs (or a list of (dst, src) tensors). ``mode`` picks the
@@ -549,14 +583,41 @@ def copy_rows(pairs, indices_dst, indices_src, *, mode: str = "auto") -> str:
     cuMemcpyBatchAsync call, strided ones in one cudaMemcpy3DBatchAsync call),
     'batch3d' (all in the 3-D call), '2d' (one cudaMemcpy2DAsync per run and
     pair) or 'auto' ('batch' where the calls exist, host memory is pinned and
-    the stream is not being captured). Returns what ran: 'batch', 'batch3d',
-    '2d', or 'torch' (CPU tensors: slice copies). Asynchronous on the current
-    stream for CUDA.
+    the stream is not being captured). ``page_size``, ``dst_rows`` and
+    ``src_rows``: see plan_runs. Returns what ran: 'batch', 'batch3d', '2d', or
+    'torch' (CPU tensors: slice copies). Asynchronous on the current stream
+    for CUDA.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    runs = plan_runs(indices_dst, indices_src, page_size, dst_rows=dst_rows, src_rows=src_rows)
+    return copy_runs(pairs, runs, mode=mode)
+
+
+def plan_runs(indices_dst, indices_src, page_size: int = 1, *, dst_rows=None, src_rows=None) -> Runs:
+    """The runs of a transfer whose indices name slots; ``dst_rows`` / ``src_rows`` (None: the identity)
+    map a side's slots to the rows of its pair tensors, elementwise on CPU int64 tensors, keeping
+    negative slots negative, and must map a page-aligned slot to the first of ``page_size``
+    consecutive rows. When both sides are whole pages (aligned where a side is mapped), the plan
+    takes one entry per page (whole_pages, page_runs); otherwise one per row (find_runs)."""
+    dst = _host_indices("indices_dst", indices_dst)
+    src = _host_indices("indices_src", indices_src)
+    dst_starts = whole_pages(dst, page_size, aligned=dst_rows is not None)
+    src_starts = None if dst_starts is None else whole_pages(src, page_size, aligned=src_rows is not None)
+    if src_starts is not None and dst_starts.numel() == src_starts.numel():
+        return page_runs(_mapped(dst_rows, dst_starts), _mapped(src_rows, src_starts), page_size)
+    return find_runs(_mapped(dst_rows, dst), _mapped(src_rows, src))
+
+
+def _mapped(to_rows, slots: torch.Tensor) -> torch.Tensor:
+    return slots if to_rows is None else to_rows(slots)
+
+
+def copy_runs(pairs, runs: Runs, *, mode: str = "auto") -> str:
+    """copy_rows for runs already planned: each run's rows, for every pair."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     pairs = pairs if isinstance(pairs, Pairs) else Pairs(pairs)
-    runs = find_runs(indices_dst, indices_src)
     check_bounds(runs, pairs.dst_rows, pairs.src_rows)
     if pairs.device is None:
         _copy_on_cpu(pairs, runs)

@@ -402,11 +402,12 @@ class HostKVPool:
         if host_indices.numel() and int(host_indices.max()) >= self.size:
             raise TransferIndexError(f"host_indices holds index {int(host_indices.max())}, but the host pool has "
                                      f"only {self.size} slots")
-        host_rows = self.translate_host_indices(host_indices)
-        if host_is_dst:
-            self.last_direct_mode = direct.copy_rows(pairs, host_rows, device_indices, mode=self.direct_mode)
-        else:
-            self.last_direct_mode = direct.copy_rows(pairs, device_indices, host_rows, mode=self.direct_mode)
+        # Planned one entry per page when the indices are whole pages (direct.plan_runs).
+        to_rows = self.translate_host_indices if self.layout == "page_first_direct" else None
+        host_side, device_side = (host_indices, to_rows), (device_indices, None)
+        (dst, dst_rows), (src, src_rows) = (host_side, device_side) if host_is_dst else (device_side, host_side)
+        self.last_direct_mode = direct.copy_rows(pairs, dst, src, mode=self.direct_mode, page_size=self.page_size,
+                                                 dst_rows=dst_rows, src_rows=src_rows)
 
     # -- allocator (same semantics as upstream HostKVCache; see slot_allocator) --
     def clear(self) -> None:

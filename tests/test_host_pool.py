@@ -810,3 +810,45 @@ def test_t10_a_size_between_pages_is_still_rounded_up():
     dp = make_device_pool("mla", 576, torch.Generator().manual_seed(8))
     assert make_host_pool(dp, size=10, page_size=4, layout="page_first").size == 12
     assert make_host_pool(dp, size=4, page_size=4, layout="page_first").size == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), max_size=12, unique_by=lambda p: p[0]),
+       st.integers(2, 4))
+def test_page_runs_match_find_runs_on_the_pages_rows(pages, page):
+    """Planning one entry per page gives the runs planning one entry per row gives."""
+    dst = torch.tensor([d for d, _ in pages], dtype=torch.int64) * page
+    src = torch.tensor([s for _, s in pages], dtype=torch.int64) * page
+    rows = lambda starts: (starts[:, None] + torch.arange(page)).reshape(-1)  # noqa: E731
+    assert direct.page_runs(dst, src, page).as_tuples() == direct.find_runs(rows(dst), rows(src)).as_tuples()
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(-6, 40), max_size=8), st.integers(1, 4), st.booleans(),
+       st.sampled_from(["none", "bump", "drop"]), st.integers(0, 40))
+def test_whole_pages_says_yes_only_for_whole_pages(starts, page, aligned, damage, where):
+    indices = [s + i for s in starts for i in range(page)]  # pages from any start: aligned or not, negative
+    if indices and damage == "bump":
+        indices[where % len(indices)] += 1
+    elif indices and damage == "drop":
+        del indices[where % len(indices)]
+    groups = [indices[i:i + page] for i in range(0, len(indices), page)]
+    whole = (page > 1 and len(indices) > 0 and len(indices) % page == 0
+             and all(g[0] >= 0 and g == list(range(g[0], g[0] + page)) and (not aligned or g[0] % page == 0)
+                     for g in groups))
+    found = direct.whole_pages(torch.tensor(indices, dtype=torch.int64), page, aligned=aligned)
+    assert (found is not None) == whole
+    if whole:
+        assert found.tolist() == [g[0] for g in groups]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_whole_pages_are_planned_per_page(layout, monkeypatch):
+    """No padding: every transfer is planned one entry per page (find_runs, one entry per row, never runs)."""
+    def per_row(*args):
+        raise AssertionError("planned per row")
+
+    monkeypatch.setattr(direct, "find_runs", per_row)
+    round_trip("mla", layout, 16, 1152, False, "direct", seed=3, rounds=1)
+    with pytest.raises(AssertionError, match="per row"):  # padding falls back to per-row planning
+        round_trip("mla", layout, 16, 1152, False, "direct", seed=3, rounds=2)

@@ -54,3 +54,48 @@ def test_a_value_sglang_would_ignore_is_ignored_with_one_warning(launched, monke
         _mla()
     assert launched == [None, None]
     assert sum("SGLANG_HICACHE_BLOCK_QUOTA" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---------------------------------------------------------------------------
+# SGLang's direct ops on CPU tensors (the copy engines' plan, executed as slice copies).
+
+PAGE, LAYERS, DIM = 4, 3, 8
+
+
+def _direct_case(padded: bool):
+    gen = torch.Generator().manual_seed(7 + padded)
+    host = torch.randint(-1000, 1000, (10, LAYERS, PAGE, 1, DIM), generator=gen, dtype=torch.int32)
+    dev = [torch.randint(-1000, 1000, (6 * PAGE, 1, DIM), generator=gen, dtype=torch.int32) for _ in range(LAYERS)]
+    pages = lambda ids: (torch.tensor(ids)[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)  # noqa: E731
+    h, d = pages([7, 2, 3]), pages([1, 0, 5])
+    if padded:
+        h[5] = -1  # a padded slot: not whole pages any more
+    return host, dev, h, d
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["whole-pages", "padded"])
+def test_direct_ops_move_the_right_rows_planned_per_page_when_they_can(padded, monkeypatch):
+    from sglang_hicache_jit import direct
+
+    per_row = []
+    find_runs = direct.find_runs
+    monkeypatch.setattr(direct, "find_runs", lambda *a: per_row.append(1) or find_runs(*a))
+    host, dev, h, d = _direct_case(padded)
+    keep = h >= 0
+    expected_host = host.clone()
+    for layer in range(LAYERS):
+        expected_host.view(-1, LAYERS, PAGE, 1, DIM)[h[keep] // PAGE, layer, h[keep] % PAGE] = dev[layer][d[keep]]
+    routed.transfer_kv_all_layer_direct_lf_pf(dev, [host], d, h, PAGE)
+    assert torch.equal(host, expected_host)
+    expected_dev = dev[1].clone()
+    expected_dev[d[keep]] = host[h[keep] // PAGE, 1, h[keep] % PAGE]
+    dev[1].zero_()
+    expected_dev[~torch.isin(torch.arange(dev[1].shape[0]), d[keep])] = 0
+    routed.transfer_kv_per_layer_direct_pf_lf([host], [dev[1]], h, d, 1, PAGE)
+    assert torch.equal(dev[1], expected_dev)
+    flat = [t.view(-1, DIM).clone() for t in dev]
+    out = [torch.zeros_like(t) for t in flat]
+    routed.transfer_kv_direct(flat, out, d, d, PAGE)
+    for src, dst in zip(flat, out):
+        assert torch.equal(dst[d], src[d])
+    assert bool(per_row) == padded  # whole pages never take the per-row plan

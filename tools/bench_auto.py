@@ -61,7 +61,7 @@ def measure(page: int, tokens: int, args, mm, ceiling: Ceiling) -> list[dict]:
     host_idx, dev_idx = make_indices(tokens, page, args.host_slots, args.device_slots, seed=page + tokens)
     nbytes = tokens * pool.row_bytes * LAYERS
     rows = []
-    for backend in ("kernel", "direct"):
+    for backend in args.backends:
         if backend == "kernel" and pool.transfer_path != "kernel":
             print(f"  skip kernel: {pool.transfer_path_reason}")
             continue
@@ -101,6 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--host-slots", type=int, default=128 * 1024)
     parser.add_argument("--device-slots", type=int, default=128 * 1024)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--backends", nargs="+", choices=("kernel", "direct"), default=["kernel", "direct"])
     parser.add_argument("--no-load", action="store_true", help="skip the measurements beside the matmul")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -110,8 +110,8 @@ def _raw_pairs(dst_table, src_table, dst_stride: int, src_stride: int, row_bytes
             for d, s in zip(_addresses(dst_table), _addresses(src_table))]
 
 
-def _copy(pairs, indices_dst, indices_src) -> None:
-    direct.copy_rows(pairs, indices_dst, indices_src)
+def _copy(pairs, indices_dst, indices_src, **plan) -> None:
+    direct.copy_rows(pairs, indices_dst, indices_src, **plan)
 
 
 def _view_rows(t: torch.Tensor, row_elems: int) -> torch.Tensor:
@@ -524,42 +524,44 @@ def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_in
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
     if len(src_layers) != len(dst_layers):
         raise ValueError(f"src_layers has {len(src_layers)} tensors but dst_layers has {len(dst_layers)}")
-    _copy([(_rows_of(d), _rows_of(s)) for d, s in zip(dst_layers, src_layers)], dst_indices, src_indices)
+    _copy([(_rows_of(d), _rows_of(s)) for d, s in zip(dst_layers, src_layers)], dst_indices, src_indices,
+          page_size=page_size)
 
 
 def _rows_of(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0], -1) if t.dim() > 2 else t
 
 
-def page_first_direct_rows(buffer: torch.Tensor, layer_id: int, page_size: int, indices: torch.Tensor):
-    """(flat rows, host row per token) of one layer of a (pages, layers, page_size, ...) buffer."""
-    pages, layers = buffer.shape[0], buffer.shape[1]
+def page_first_direct_rows(buffer: torch.Tensor, layer_id: int):
+    """(flat rows, token -> row map for direct.copy_rows, page size) of one layer of a
+    (pages, layers, page_size, ...) buffer."""
+    pages, layers, page_size = buffer.shape[0], buffer.shape[1], buffer.shape[2]
     flat = buffer.view(pages * layers * page_size, -1)
-    rows = compat._token_rows(indices, page_size, layers * page_size)
     span = flat.shape[0] - layer_id * page_size
-    return flat[layer_id * page_size:layer_id * page_size + span], rows
+    return (flat[layer_id * page_size:layer_id * page_size + span],
+            lambda tokens: compat._token_rows(tokens, page_size, layers * page_size), page_size)
 
 
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
     if len(src_ptrs) != len(dst_ptrs):
         raise ValueError(f"src_ptrs has {len(src_ptrs)} buffers but dst_ptrs has {len(dst_ptrs)} layers")
-    pairs, rows = [], None
+    pairs, to_rows, rows_per_page = [], None, 1
     for host, dev in zip(src_ptrs, dst_ptrs):
-        flat, rows = page_first_direct_rows(host, layer_id, host.shape[2], src_indices)
+        flat, to_rows, rows_per_page = page_first_direct_rows(host, layer_id)
         pairs.append((_rows_of(dev), flat))
-    _copy(pairs, dst_indices, rows)
+    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, src_rows=to_rows)
 
 
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
     layers_per_buffer = len(src_ptrs) // max(1, len(dst_ptrs))
     if layers_per_buffer * len(dst_ptrs) != len(src_ptrs):
         raise ValueError(f"src_ptrs has {len(src_ptrs)} layers, not a multiple of the {len(dst_ptrs)} buffers")
-    pairs, rows = [], None
+    pairs, to_rows, rows_per_page = [], None, 1
     for b, host in enumerate(dst_ptrs):
         for layer in range(layers_per_buffer):
-            flat, rows = page_first_direct_rows(host, layer, host.shape[2], dst_indices)
+            flat, to_rows, rows_per_page = page_first_direct_rows(host, layer)
             pairs.append((flat, _rows_of(src_ptrs[b * layers_per_buffer + layer])))
-    _copy(pairs, rows, src_indices)
+    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, dst_rows=to_rows)
 
 
 KVCACHEIO_OPS = (

@@ -69,12 +69,16 @@ def backup_from_device_all_layer(original, self, device_pool, host_indices, devi
     return _run(original, self, (device_pool, host_indices, device_indices), io_backend, {})
 
 
-def _copy_layer(host_rows, host_index, device_rows, device_index, *, io_backend: str, row_bytes: int) -> None:
-    """One layer, device -> host: through the kernel when asked and available, else the copy engines."""
+def _copy_layer(host_rows, host_index, device_rows, device_index, *, io_backend: str, row_bytes: int,
+                to_rows=None, page_size: int = 1) -> None:
+    """One layer, device -> host: through the kernel when asked and available, else the copy engines.
+    ``to_rows`` maps host token indices to rows of ``host_rows`` (None: the identity)."""
     if io_backend == "kernel" and routed.kernel_available(row_bytes):
-        ops.transfer_one_layer_mla(host_rows, host_index, device_rows, device_index)
+        ops.transfer_one_layer_mla(host_rows, host_index if to_rows is None else to_rows(host_index), device_rows,
+                                   device_index)
     else:
-        direct.copy_rows([(host_rows, device_rows)], host_index, device_index)
+        direct.copy_rows([(host_rows, device_rows)], host_index, device_index, page_size=page_size,
+                         dst_rows=to_rows)
 
 
 # ---------------------------------------------------------------------------
@@ -89,14 +93,14 @@ def _mla_method_serves(self, io_backend) -> bool:
 
 def _mla_backup_layer(self, host_layer, device_rows, host_indices, device_indices, io_backend) -> None:
     device_rows = device_rows.view(device_rows.shape[0], -1)
+    to_rows, page_size = None, 1
     if self.layout == "page_first":
         host_rows = self.data_refs[host_layer]
-        host_rows, host_index = host_rows.view(host_rows.shape[0], -1), host_indices
+        host_rows = host_rows.view(host_rows.shape[0], -1)
     else:  # page_first_direct: (pages, layers, page_size, 1, dim)
-        host_rows, host_index = routed.page_first_direct_rows(self.kv_buffer, host_layer, self.kv_buffer.shape[2],
-                                                              host_indices)
-    _copy_layer(host_rows, host_index, device_rows, device_indices, io_backend=io_backend,
-                row_bytes=self.kv_cache_dim * self.dtype.itemsize)
+        host_rows, to_rows, page_size = routed.page_first_direct_rows(self.kv_buffer, host_layer)
+    _copy_layer(host_rows, host_indices, device_rows, device_indices, io_backend=io_backend,
+                row_bytes=self.kv_cache_dim * self.dtype.itemsize, to_rows=to_rows, page_size=page_size)
 
 
 _MLA_POOL = ("layout", "can_use_jit", "data_refs", "kv_buffer", "kv_cache_dim", "dtype")
