@@ -301,6 +301,7 @@ def planning(pages: int = 1024, page_rows: int = 64, row: int = 1152) -> None:
     flat = pairs.packed.repeat_interleave(len(split))
     stages = {
         "find_runs": lambda: direct.find_runs(dev_idx, host_idx),
+        "plan_runs (pages)": lambda: direct.plan_runs(dev_idx, host_idx, page_rows),
         "check_bounds": lambda: direct.check_bounds(runs, pairs.dst_rows, pairs.src_rows),
         "split_runs": lambda: direct.split_runs(runs, max(1, direct.MAX_COPY_BYTES // row)),
         "describe_copies": lambda: direct.describe_copies(pairs, split),
