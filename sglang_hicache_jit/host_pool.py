@@ -74,12 +74,12 @@ class MHADevicePool:
 
 
 # Where a load on the copy engines keeps up with the kernel (tools/bench_auto.py, H200, 1152-B rows,
-# SGLang's 8-layer per-layer load loop beside back-to-back bf16 matmuls, two runs): with 576 KiB copies
-# (pages of 512 rows) and 64K tokens per layer the copy engines moved 0.91 / 0.72 of the link at +3.0% /
-# +2.6% matmul time, the kernel 0.71 / 0.79 at +8.1% / +7.5%. With 288 KiB copies they trailed (0.63 /
-# 0.79 against 0.77 / 0.79), and at 16K tokens per layer they reached at most 0.47 against the kernel's
-# 0.42-0.43 alone 0.80: the per-call planning and submission cost is not amortized. docs/BENCHMARKS.md.
-DIRECT_LOAD_MIN_COPY_BYTES = 512 * 1024
+# page_first_direct, SGLang's 8-layer per-layer load loop, two runs, docs/BENCHMARKS.md 2026-12-04): at 64K
+# tokens per layer with copies of 288 KiB (pages of 256 rows) or 576 KiB they moved 0.95-0.99 of the link
+# beside back-to-back bf16 matmuls at +2.6-4.2% matmul time, the kernel 0.76-0.78 at +7.0-8.5%; with
+# 72 KiB copies 0.51 / 0.87 (the kernel 0.77), and at 16K tokens per layer 0.38-0.73 where the kernel
+# moves 0.80 alone: the host's planning and submission per call is not amortized there.
+DIRECT_LOAD_MIN_COPY_BYTES = 256 * 1024
 DIRECT_LOAD_MIN_CALL_BYTES = 64 * 1024 * 1024
 
 
@@ -92,7 +92,7 @@ def choose_io_backend(kernel_available: bool, operation: str, *, copy_bytes: int
     moved 39 GB/s but slowed the matmul by 35%, against 15 GB/s and +3% on the
     copy engines (tools/bench_pool.py). Loads take the kernel (0.80-0.82 of the
     link alone at 16K-64K tokens per layer), unless the call is one the copy
-    engines serve as fast at a third of the matmul's slow-down: each copy
+    engines serve faster at half the matmul's slow-down: each copy
     (``copy_bytes``, one page of one layer when the layout keeps it contiguous)
     at least DIRECT_LOAD_MIN_COPY_BYTES, the call (``call_bytes``) at least
     DIRECT_LOAD_MIN_CALL_BYTES, and the indices already on the host (the direct
