@@ -135,18 +135,19 @@ def test_gpu_to_gpu_and_gpu_indices(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
-def test_copies_are_ordered_on_the_current_stream(mode, side_stream):
+@pytest.mark.parametrize("page", [1, 64], ids=["per-row-plan", "per-page-plan"])
+def test_copies_are_ordered_on_the_current_stream(mode, side_stream, page):
     """A long fill of the source is queued first; the copy must see its result."""
     gen = torch.Generator().manual_seed(6)
     src = torch.empty((1 << 16, 4096), dtype=torch.uint8, device="cuda")  # 256 MiB: the fill takes a while
     host = torch.zeros((1 << 10, 4096), dtype=torch.uint8, pin_memory=True)
-    s = torch.randperm(1 << 16, generator=gen)[: 1 << 10]
+    s = _page_indices((1 << 10) // page, 1 << 16, page, gen, sort=False)
     d = torch.arange(1 << 10)
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
     with torch.cuda.stream(stream):
         for value in (3, 7):
             src.fill_(value)
-            direct.copy_rows([(host, src)], d, s, mode=mode)
+            direct.copy_rows([(host, src)], d, s, mode=mode, page_size=page)
             stream.synchronize()
             assert bool((host == value).all()), f"the copy ran before the fill (value {value})"
 
@@ -208,17 +209,21 @@ def test_a_captured_graph_records_2d_copies_and_replays_them():
     flat_host = _bytes((256, 64), gen=gen, pin=True)
     flat_dev = torch.zeros((256, 64), dtype=torch.uint8, device="cuda")
     d, h = torch.randperm(256, generator=gen)[:64], torch.randperm(256, generator=gen)[:64]
+    paged_dev = torch.zeros((256, 64), dtype=torch.uint8, device="cuda")
+    pd, ph = _page_indices(8, 256, 8, gen, sort=False), _page_indices(8, 256, 8, gen, sort=True)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.graph(graph, stream=stream):
         assert direct.copy_rows([(dev, host[:, 1])], d, h) == "2d"
         assert direct.copy_rows([(flat_dev, flat_host)], d, h) == "2d"
+        assert direct.copy_rows([(paged_dev, flat_host)], pd, ph, page_size=8) == "2d"  # the per-page plan
         with pytest.raises(RuntimeError, match="captured"):
             direct.copy_rows([(flat_dev, flat_host)], d, h, mode="batch")
-    assert not dev.any() and not flat_dev.any()
+    assert not dev.any() and not flat_dev.any() and not paged_dev.any()
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(dev.cpu(), _reference(torch.zeros_like(dev), d, host[:, 1], h))
     assert torch.equal(flat_dev.cpu(), _reference(torch.zeros_like(flat_dev), d, flat_host, h))
+    assert torch.equal(paged_dev.cpu(), _reference(torch.zeros_like(paged_dev), pd, flat_host, ph))
 
 
 @pytest.mark.parametrize("mode", MODES)
