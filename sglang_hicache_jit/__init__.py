@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = ["__version__", "load_kernels", "one_layer_kernel_available"]
 
-_LAZY = {"load_kernels": ".loader", "one_layer_kernel_available": ".probe"}
+_LAZY = {"load_kernels": ".buildcache.loader", "one_layer_kernel_available": ".probe"}
 
 
 def __getattr__(name):

@@ -39,7 +39,7 @@ def _bad_option(option: str, value, exc: ValueError, fix: str) -> BadSettingErro
 
 def _archs_from(text: str | None):
     """--arch LIST: each arch separately. Without it: what load_kernels() would load."""
-    from .arch import parse_arch_list, resolve_archs
+    from .buildcache.arch import parse_arch_list, resolve_archs
 
     if text:
         try:
@@ -57,7 +57,7 @@ def _label(archs) -> str:
 # ---- commands ----------------------------------------------------------------
 
 def cmd_prewarm(args) -> int:
-    from .loader import ensure_built
+    from .buildcache.loader import ensure_built
 
     records = []
     for archs in _archs_from(args.arch):
@@ -98,7 +98,7 @@ def _check_gpu(args) -> list[dict]:
 
 
 def _check_archs(args) -> list[dict]:
-    from .loader import load_archs
+    from .buildcache.loader import load_archs
 
     records = []
     for archs in _archs_from(args.arch):
@@ -151,9 +151,9 @@ def _layer_record(kind: str, location: str, cache=None) -> dict:
 
 def _target() -> dict:
     """What load_kernels() would load here, and where it would come from without building."""
-    from .arch import resolve_archs
-    from .doctor import where_available
-    from .toolchain import find_toolkit
+    from .buildcache.arch import resolve_archs
+    from .buildcache.doctor import where_available
+    from .buildcache.toolchain import find_toolkit
 
     try:
         archs, source = resolve_archs(None)
@@ -167,9 +167,9 @@ def _target() -> dict:
 def _info() -> dict:
     from pathlib import Path
 
-    from . import remote
-    from .cache import BuildCache
-    from .toolchain import find_ninja, find_toolkit, torch_info
+    from .buildcache import remote
+    from .buildcache.cache import BuildCache
+    from .buildcache.toolchain import find_ninja, find_toolkit, torch_info
 
     info: dict = {"package": __version__, "python": sys.version.split()[0]}
     try:
@@ -269,8 +269,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_clean(args) -> int:
-    from .cache import BuildCache
-    from .prune import clean
+    from .buildcache.cache import BuildCache
+    from .buildcache.prune import clean
 
     root = settings.cache_root()
     report = clean(BuildCache(root), failed_only=args.failed)  # removes only what no live process is using
@@ -311,22 +311,22 @@ def _print_bundle(report, args, into: str | None = None) -> None:
 
 
 def cmd_export(args) -> int:
-    from .bundle import export_bundle
+    from .buildcache.bundle import export_bundle
 
     _print_bundle(export_bundle(_archs_from(args.arch), args.output), args)
     return 0
 
 
 def cmd_import(args) -> int:
-    from .bundle import import_bundle
+    from .buildcache.bundle import import_bundle
 
     _print_bundle(import_bundle(args.bundle, into=args.into), args, into=args.into)
     return 0
 
 
 def cmd_prune(args) -> int:
-    from .cache import BuildCache
-    from .prune import prune
+    from .buildcache.cache import BuildCache
+    from .buildcache.prune import prune
 
     try:
         max_size = settings.parse_size(args.max_size) if args.max_size is not None else settings.cache_max_size()
@@ -350,7 +350,7 @@ def cmd_prune(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from .doctor import as_json, format_checks, run_checks
+    from .buildcache.doctor import as_json, format_checks, run_checks
 
     checks = run_checks(args.arch)
     result = as_json(checks)  # carries the schema itself: it is also doctor's Python API

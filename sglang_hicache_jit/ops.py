@@ -89,8 +89,8 @@ class _DeviceState:
     """Per-device library handle and the pinned words the kernel reports errors in."""
 
     def __init__(self, device: int):
-        from .arch import current_gpu_capability
-        from .loader import load_kernels
+        from .buildcache.arch import current_gpu_capability
+        from .buildcache.loader import load_kernels
 
         self.device = device
         self.capability = current_gpu_capability(device)

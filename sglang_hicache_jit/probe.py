@@ -131,7 +131,7 @@ def _probe_device(device: int | None, build: bool) -> ProbeResult:
             return cached
         transient = False
         try:
-            from .loader import load_kernels
+            from .buildcache.loader import load_kernels
 
             library = load_kernels(device=index, build=build)
         except HicacheJitError as exc:

@@ -22,10 +22,10 @@ _AS_USER = """
 import os, sys
 import ctypes, json, pwd, tarfile, tempfile, shutil, gzip, zlib, decimal, hashlib  # noqa
 import torch, filelock, platformdirs  # noqa
-import sglang_hicache_jit.cli, sglang_hicache_jit.loader, sglang_hicache_jit.doctor  # noqa
-import sglang_hicache_jit.bundle, sglang_hicache_jit.prune, sglang_hicache_jit.remote  # noqa
+import sglang_hicache_jit.cli, sglang_hicache_jit.buildcache.loader, sglang_hicache_jit.buildcache.doctor  # noqa
+import sglang_hicache_jit.buildcache.bundle, sglang_hicache_jit.buildcache.prune, sglang_hicache_jit.buildcache.remote  # noqa
 import sglang_hicache_jit.benchmark  # noqa  (the CLI's parser holds bench's options)
-from sglang_hicache_jit import spec, toolchain
+from sglang_hicache_jit.buildcache import spec, toolchain
 spec.kernels_dir(); toolchain.torch_info()
 uid = int(sys.argv[1])
 try:
@@ -46,7 +46,7 @@ else:
 # PermissionError from inside the child.
 _CAN_RUN = """
 import os, pwd, sys
-from sglang_hicache_jit import spec
+from sglang_hicache_jit.buildcache import spec
 uid = int(sys.argv[1])
 try:
     gid = pwd.getpwuid(uid).pw_gid

@@ -43,7 +43,7 @@ def _has_gpu() -> bool:
 
 
 def _has_toolkit() -> bool:
-    from sglang_hicache_jit.toolchain import find_toolkit
+    from sglang_hicache_jit.buildcache.toolchain import find_toolkit
 
     return find_toolkit() is not None
 

@@ -133,7 +133,7 @@ def install(ops, *, handle=None, transfer=None, device: int = 0):
     """Builds ops' state for ``device`` around ``handle`` (a ctypes library
     with hicache_transfer_launch, or None for the torch-op fallback) and
     ``transfer`` (the torch op stand-in). Returns the state."""
-    from sglang_hicache_jit import arch, loader
+    from sglang_hicache_jit.buildcache import arch, loader
 
     real_zeros = torch.zeros
 

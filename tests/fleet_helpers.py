@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sglang_hicache_jit.arch import parse_arch_list
-from sglang_hicache_jit.cache import BuildCache, Entry, write_manifest
-from sglang_hicache_jit.spec import BuildSpec, derive_key
-from sglang_hicache_jit.toolchain import find_toolkit
+from sglang_hicache_jit.buildcache.arch import parse_arch_list
+from sglang_hicache_jit.buildcache.cache import BuildCache, Entry, write_manifest
+from sglang_hicache_jit.buildcache.spec import BuildSpec, derive_key
+from sglang_hicache_jit.buildcache.toolchain import find_toolkit
 
 ROOT = Path(__file__).resolve().parent.parent
 # Same CUDA major.minor as the local toolkit (if any), so the loader accepts fake entries (cache.acceptable).
@@ -77,8 +77,8 @@ NO_COMPILER_LOAD = (
     "import json, subprocess, sys, time, torch\n"
     "def refuse(*a, **k): raise AssertionError('a subprocess was started: ' + repr(a[:2]))\n"
     "subprocess.Popen.__init__ = refuse\n"
-    "from sglang_hicache_jit import loader\n"
-    "from sglang_hicache_jit.arch import parse_arch_list\n"
+    "from sglang_hicache_jit.buildcache import loader\n"
+    "from sglang_hicache_jit.buildcache.arch import parse_arch_list\n"
     "t = time.perf_counter(); lib = loader.load_kernels('9.0'); dt = time.perf_counter() - t\n"
     "assert hasattr(lib.ops, 'transfer'), lib\n"
     "print(json.dumps({'path': str(lib.path), 'seconds': dt, 'prebuilt': lib.entry.prebuilt}))\n"

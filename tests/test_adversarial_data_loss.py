@@ -13,11 +13,11 @@ import pytest
 from adversarial_helpers import (assert_one_error_line, needs_root, remount_read_only, run_main,  # noqa: F401
                                  small_fs)
 from fleet_helpers import entry_dirs, fake_entry, snapshot
-from sglang_hicache_jit.arch import parse_arch_list
-from sglang_hicache_jit.cache import BuildCache
+from sglang_hicache_jit.buildcache.arch import parse_arch_list
+from sglang_hicache_jit.buildcache.cache import BuildCache
 from sglang_hicache_jit import errors
 from sglang_hicache_jit.errors import BuildFailedError, NotBuiltError
-from sglang_hicache_jit.loader import ensure_built
+from sglang_hicache_jit.buildcache.loader import ensure_built
 
 ARCHS = parse_arch_list("9.0")
 
@@ -90,8 +90,8 @@ def test_a_manifest_of_the_wrong_shape_is_a_corrupt_entry_everywhere(cache, caps
                                     {"reason": "x", "time": "yesterday"}, {"reason": "x", "log": "../../etc/passwd"},
                                     [1, 2], "just a string"])
 def test_a_malformed_failure_record_does_not_break_loading(cache, record):
-    from sglang_hicache_jit.spec import BuildSpec
-    from sglang_hicache_jit.toolchain import find_toolkit
+    from sglang_hicache_jit.buildcache.spec import BuildSpec
+    from sglang_hicache_jit.buildcache.toolchain import find_toolkit
 
     toolkit = find_toolkit()
     if toolkit is None:
@@ -146,7 +146,7 @@ def test_publish_survives_its_arch_directory_being_removed(cache):
     staged = cache.new_staging_dir(entry.path.name) / "entry"
     shutil.copytree(entry.path, staged)
     shutil.rmtree(entry.path.parent)  # the arch directory vanished (a clean in between)
-    real_private_dir = __import__("sglang_hicache_jit.cache", fromlist=["_private_dir"])._private_dir
+    real_private_dir = __import__("sglang_hicache_jit.buildcache.cache", fromlist=["_private_dir"])._private_dir
     calls = []
 
     def racing_private_dir(path, mode=0o700):  # the directory goes again right after it is made, once
@@ -156,7 +156,7 @@ def test_publish_survives_its_arch_directory_being_removed(cache):
             path.rmdir()
         return result
 
-    import sglang_hicache_jit.cache as cache_module
+    import sglang_hicache_jit.buildcache.cache as cache_module
 
     old = cache_module._private_dir
     cache_module._private_dir = racing_private_dir
@@ -237,7 +237,7 @@ KINDS = ["fifo", "chardev", "symlink", "directory", "socket"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_d2_export_refuses_an_output_that_is_not_a_regular_file(cache, tmp_path, capsys, monkeypatch, kind):
-    from sglang_hicache_jit import loader
+    from sglang_hicache_jit.buildcache import loader
 
     fake_entry(cache)
     path, before = _node(tmp_path, kind)

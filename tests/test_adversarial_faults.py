@@ -18,13 +18,13 @@ import pytest
 
 from adversarial_helpers import NOBODY, as_user, cli_env, needs_root, public_tmp, skip_unless_user_can_run_here  # noqa: F401
 from fleet_helpers import ROOT, cli, env_for, fake_entry, snapshot
-from sglang_hicache_jit import bundle as bundle_module
-from sglang_hicache_jit import loader
-from sglang_hicache_jit.arch import parse_arch_list
-from sglang_hicache_jit.bundle import export_bundle, import_bundle
-from sglang_hicache_jit.cache import BuildCache
+from sglang_hicache_jit.buildcache import bundle as bundle_module
+from sglang_hicache_jit.buildcache import loader
+from sglang_hicache_jit.buildcache.arch import parse_arch_list
+from sglang_hicache_jit.buildcache.bundle import export_bundle, import_bundle
+from sglang_hicache_jit.buildcache.cache import BuildCache
 from sglang_hicache_jit.errors import BuildFailedError, BundleError
-from sglang_hicache_jit.toolchain import find_toolkit
+from sglang_hicache_jit.buildcache.toolchain import find_toolkit
 
 ARCHS = parse_arch_list("9.0")
 needs_toolkit = pytest.mark.skipif(find_toolkit() is None, reason="needs the CUDA toolkit (nvcc)")
@@ -54,7 +54,7 @@ def _gone(proc: subprocess.Popen, seconds: float = 5.0) -> bool:
 
 
 def test_the_next_builder_reaps_a_dead_builders_staging_and_compiler(tmp_path):
-    from sglang_hicache_jit.prune import reap_stale_staging
+    from sglang_hicache_jit.buildcache.prune import reap_stale_staging
 
     cache = BuildCache(tmp_path / "cache")
     cache.ensure_root()
@@ -74,7 +74,7 @@ def test_the_next_builder_reaps_a_dead_builders_staging_and_compiler(tmp_path):
 
 
 def test_prune_also_kills_what_a_dead_builder_left(tmp_path):
-    from sglang_hicache_jit.prune import prune
+    from sglang_hicache_jit.buildcache.prune import prune
 
     cache = BuildCache(tmp_path / "cache")
     cache.ensure_root()
@@ -125,7 +125,7 @@ def test_sigkill_of_a_builder_takes_its_compiler_down(tmp_path):
 
 @needs_toolkit
 def test_a_killed_compile_is_recorded_as_transient_and_retried(tmp_path, monkeypatch):
-    from sglang_hicache_jit import build
+    from sglang_hicache_jit.buildcache import build
 
     monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
     killer = tmp_path / "compile.py"
@@ -147,7 +147,7 @@ def test_a_killed_compile_is_recorded_as_transient_and_retried(tmp_path, monkeyp
 
 @needs_toolkit
 def test_a_compile_error_is_remembered_but_a_full_disk_is_not(tmp_path, monkeypatch):
-    from sglang_hicache_jit import build
+    from sglang_hicache_jit.buildcache import build
 
     monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
     calls = tmp_path / "calls"
@@ -278,7 +278,7 @@ def _recipe_layer(public_tmp: Path) -> Path:
     return layer
 
 
-_LOAD = ("from sglang_hicache_jit.loader import ensure_built\nfrom sglang_hicache_jit.arch import parse_arch_list\n"
+_LOAD = ("from sglang_hicache_jit.buildcache.loader import ensure_built\nfrom sglang_hicache_jit.buildcache.arch import parse_arch_list\n"
          "try:\n    print(ensure_built(parse_arch_list('9.0'), build=False).action)\n"
          "except Exception as exc:\n    print(type(exc).__name__, getattr(exc, 'code', ''))\n")
 
@@ -358,7 +358,7 @@ def test_a_user_who_cannot_read_the_checkout_skips_the_test_naming_why(tmp_path)
 # carried that traceback; it was even remembered as a final compile error.
 
 def test_t6_build_ninja_keeps_non_utf8_bytes_of_paths_and_cc(tmp_path):
-    from sglang_hicache_jit import _compile
+    from sglang_hicache_jit.buildcache import _compile
 
     cc = os.fsdecode(b"/opt/gcc\xff")  # how Python reads such a variable from the environment
     request = {"name": "x", "library": "x.so", "build_dir": str(tmp_path), "link": ["c++", "-o", "x.so"],
@@ -410,7 +410,7 @@ def _race_env(tmp_path, monkeypatch):
 
 def test_a_check_racing_clean_between_look_and_load_says_not_built(tmp_path, monkeypatch, capsys):
     from adversarial_helpers import run_main
-    from sglang_hicache_jit.prune import clean
+    from sglang_hicache_jit.buildcache.prune import clean
 
     cache = _race_env(tmp_path, monkeypatch)
     real, looks = loader.ensure_built, []
@@ -431,7 +431,7 @@ def test_a_check_racing_clean_between_look_and_load_says_not_built(tmp_path, mon
 
 def test_a_lookup_racing_clean_finds_nothing_rather_than_a_corrupt_entry(tmp_path, monkeypatch, capsys, caplog):
     from adversarial_helpers import run_main
-    from sglang_hicache_jit.prune import clean
+    from sglang_hicache_jit.buildcache.prune import clean
 
     cache = _race_env(tmp_path, monkeypatch)
     real = BuildCache.check_trust

@@ -9,8 +9,8 @@ import pytest
 
 from adversarial_helpers import cli_env
 from fleet_helpers import ROOT, cli, fake_entry
-from sglang_hicache_jit.cache import BuildCache
-from sglang_hicache_jit.toolchain import find_toolkit
+from sglang_hicache_jit.buildcache.cache import BuildCache
+from sglang_hicache_jit.buildcache.toolchain import find_toolkit
 
 TIMEOUT = 30  # a command here takes about a second; a hang is a hang
 
@@ -47,7 +47,7 @@ def test_a_fifo_for_a_manifest_does_not_hang(fifo_cache, tmp_path, args):
 
 
 def test_load_kernels_with_a_fifo_manifest_does_not_hang(fifo_cache):
-    code = "from sglang_hicache_jit import loader\ntry:\n    loader.load_kernels('9.0', build=False)\n" \
+    code = "from sglang_hicache_jit.buildcache import loader\ntry:\n    loader.load_kernels('9.0', build=False)\n" \
            "except Exception as exc:\n    print(type(exc).__name__, getattr(exc, 'code', ''))\n"
     try:
         out = subprocess.run([sys.executable, "-c", code], env=cli_env(fifo_cache.root), cwd=ROOT,
@@ -73,7 +73,7 @@ def test_a_fifo_failure_record_or_owner_file_does_not_hang(tmp_path, monkeypatch
     os.mkfifo(fifo_record)
     owner = tmp_path / "x.owner"
     os.mkfifo(owner)
-    code = ("from sglang_hicache_jit import loader\nfrom sglang_hicache_jit.cache import BuildCache\n"
+    code = ("from sglang_hicache_jit.buildcache import loader\nfrom sglang_hicache_jit.buildcache.cache import BuildCache\n"
             f"c = BuildCache({str(cache.root)!r})\n"
             "print(c.read_failure('sm90', 'hicache_transfer', 'a' * 16))\n"
             f"print(loader._read_owner(__import__('pathlib').Path({str(owner)!r})))\n")
@@ -90,9 +90,9 @@ def test_an_endless_lock_timeout_is_refused_not_waited_on(tmp_path, value):
     """A holder keeps the build lock; with LOCK_TIMEOUT=nan/inf the old code waited forever."""
     cache = BuildCache(tmp_path / "cache")
     env = cli_env(cache.root, SGLANG_HICACHE_JIT_LOCK_TIMEOUT=value)
-    holder_code = ("import sys\nfrom sglang_hicache_jit import loader\n"
-                   "from sglang_hicache_jit.arch import parse_arch_list\nfrom sglang_hicache_jit.spec import BuildSpec\n"
-                   "from sglang_hicache_jit.toolchain import find_toolkit\n"
+    holder_code = ("import sys\nfrom sglang_hicache_jit.buildcache import loader\n"
+                   "from sglang_hicache_jit.buildcache.arch import parse_arch_list\nfrom sglang_hicache_jit.buildcache.spec import BuildSpec\n"
+                   "from sglang_hicache_jit.buildcache.toolchain import find_toolkit\n"
                    "spec = BuildSpec.for_archs(parse_arch_list('9.0'))\n"
                    "with loader._build_lock(loader.writable_cache(), spec, spec.key(find_toolkit().identity)):\n"
                    "    print('held', flush=True); sys.stdin.read()\n")

@@ -15,13 +15,13 @@ import pytest
 
 from adversarial_helpers import NOBODY, as_user, chown_tree, cli_env, make_user, needs_root, public_tmp  # noqa: F401
 from fleet_helpers import ROOT, entry_dirs, env_for, fake_entry, snapshot
-from sglang_hicache_jit import loader
-from sglang_hicache_jit.arch import parse_arch_list
-from sglang_hicache_jit.bundle import export_bundle, import_bundle
-from sglang_hicache_jit.cache import BuildCache
+from sglang_hicache_jit.buildcache import loader
+from sglang_hicache_jit.buildcache.arch import parse_arch_list
+from sglang_hicache_jit.buildcache.bundle import export_bundle, import_bundle
+from sglang_hicache_jit.buildcache.cache import BuildCache
 from sglang_hicache_jit.errors import BundleError, HicacheJitError, NotBuiltError, UnsafeCacheError
-from sglang_hicache_jit.loader import ensure_built
-from sglang_hicache_jit.spec import BuildSpec
+from sglang_hicache_jit.buildcache.loader import ensure_built
+from sglang_hicache_jit.buildcache.spec import BuildSpec
 
 ARCHS = parse_arch_list("9.0")
 
@@ -217,7 +217,7 @@ def test_export_never_writes_through_a_planted_temp_link(tmp_path, monkeypatch):
 
 @needs_root
 def test_layer_owned_by_another_unprivileged_user_is_refused_and_doctor_says_so(tmp_path, monkeypatch):
-    from sglang_hicache_jit.doctor import run_checks
+    from sglang_hicache_jit.buildcache.doctor import run_checks
 
     layer = tmp_path / "layer"
     fake_entry(BuildCache(layer))
@@ -251,9 +251,9 @@ def test_group_writable_layer_is_refused(tmp_path, monkeypatch):
 
 @pytest.mark.build
 def test_h1_every_compiler_step_keeps_its_temporary_files_in_the_private_staging_dir(tmp_path, monkeypatch):
-    from sglang_hicache_jit import build
+    from sglang_hicache_jit.buildcache import build
     from sglang_hicache_jit.errors import BuildFailedError
-    from sglang_hicache_jit.toolchain import check_build_tools
+    from sglang_hicache_jit.buildcache.toolchain import check_build_tools
 
     spec = BuildSpec.for_archs(ARCHS)
     tools = check_build_tools(spec.archs)
@@ -289,7 +289,7 @@ def test_h1_every_compiler_step_keeps_its_temporary_files_in_the_private_staging
 def test_h1_the_toolchain_checks_run_nvcc_with_a_private_tmpdir(monkeypatch):
     """`nvcc --version` and `--list-gpu-arch` (before every build, and in doctor) write
     tmpxft_<pid>_00000000 into $TMPDIR and delete every file of that prefix there."""
-    from sglang_hicache_jit import toolchain
+    from sglang_hicache_jit.buildcache import toolchain
 
     seen = []
 

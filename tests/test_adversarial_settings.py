@@ -9,9 +9,9 @@ import pytest
 from adversarial_helpers import assert_one_error_line, cli_env, needs_root, run_main, small_fs  # noqa: F401
 from fleet_helpers import cli, entry_dirs, fake_entry, snapshot
 from sglang_hicache_jit import probe, settings
-from sglang_hicache_jit.arch import Arch, parse_arch_list, resolve_archs
-from sglang_hicache_jit.bundle import export_bundle
-from sglang_hicache_jit.cache import BuildCache
+from sglang_hicache_jit.buildcache.arch import Arch, parse_arch_list, resolve_archs
+from sglang_hicache_jit.buildcache.bundle import export_bundle
+from sglang_hicache_jit.buildcache.cache import BuildCache
 from sglang_hicache_jit import errors
 
 ALL = ["SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "SGLANG_HICACHE_JIT_BUILD_JOBS", "SGLANG_HICACHE_JIT_CACHE_MAX_SIZE",
@@ -47,9 +47,9 @@ def test_a_bad_setting_stops_prewarm_with_one_line(env, tmp_path, capsys, variab
 
 def test_bad_build_jobs_leaks_no_staging_directory_even_deep_in_a_build(env, tmp_path, monkeypatch):
     """The old code read BUILD_JOBS after making the staging directory, and left it behind."""
-    from sglang_hicache_jit import build as build_module
-    from sglang_hicache_jit import loader
-    from sglang_hicache_jit.toolchain import find_toolkit
+    from sglang_hicache_jit.buildcache import build as build_module
+    from sglang_hicache_jit.buildcache import loader
+    from sglang_hicache_jit.buildcache.toolchain import find_toolkit
 
     if find_toolkit() is None:
         pytest.skip("needs a CUDA toolkit")

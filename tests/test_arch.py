@@ -1,6 +1,6 @@
 import pytest
 
-from sglang_hicache_jit.arch import Arch, archs_tag, parse_arch, parse_arch_list, resolve_archs
+from sglang_hicache_jit.buildcache.arch import Arch, archs_tag, parse_arch, parse_arch_list, resolve_archs
 from sglang_hicache_jit.errors import NoArchError
 
 
@@ -61,7 +61,7 @@ def test_bad_environment_arch_names_the_variable(monkeypatch):
 def test_no_gpu_and_no_arch_says_how_to_name_one(monkeypatch):
     monkeypatch.delenv("SGLANG_HICACHE_JIT_ARCH", raising=False)
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
-    monkeypatch.setattr("sglang_hicache_jit.arch.current_gpu_capability", lambda device=None: None)
+    monkeypatch.setattr("sglang_hicache_jit.buildcache.arch.current_gpu_capability", lambda device=None: None)
     with pytest.raises(NoArchError, match="--arch 9.0") as info:
         resolve_archs()
     assert info.value.code == "no_arch"
@@ -73,7 +73,7 @@ def test_fast_paths_parse_as_the_patterns_do():
     import random
     import re
 
-    from sglang_hicache_jit import arch
+    from sglang_hicache_jit.buildcache import arch
 
     pattern = re.compile(arch._ARCH_PATTERN, re.IGNORECASE)
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from sglang_hicache_jit import spec as spec_module
-from sglang_hicache_jit.arch import parse_arch_list
+from sglang_hicache_jit.buildcache import spec as spec_module
+from sglang_hicache_jit.buildcache.arch import parse_arch_list
 from sglang_hicache_jit.errors import BuildFailedError
-from sglang_hicache_jit.loader import ensure_built
+from sglang_hicache_jit.buildcache.loader import ensure_built
 
 pytestmark = [pytest.mark.build]
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ def test_prewarm_then_warm_load_runs_no_subprocess(session_cache):
         "import subprocess, time, torch\n"
         "def refuse(*a, **k): raise AssertionError('a subprocess was started on the warm path')\n"
         "subprocess.Popen.__init__ = refuse\n"
-        "from sglang_hicache_jit.loader import load_kernels\n"
+        "from sglang_hicache_jit.buildcache.loader import load_kernels\n"
         "t = time.perf_counter(); lib = load_kernels('9.0'); dt = time.perf_counter() - t\n"
         "assert hasattr(lib.ops, 'transfer'), lib\n"
         "for name in ('hicache_transfer_launch', 'hicache_resident_create', 'hicache_resident_submit',\n"
@@ -206,7 +206,7 @@ def test_wheel_install_carries_the_kernel_sources(tmp_path):
                                capture_output=True, text=True, timeout=300)
     assert installed.returncode == 0, installed.stderr[-3000:]
     env = dict(_env(tmp_path / "cache"), PYTHONPATH=str(site))
-    where = subprocess.run([sys.executable, "-c", "from sglang_hicache_jit.spec import kernels_dir; print(kernels_dir())"],
+    where = subprocess.run([sys.executable, "-c", "from sglang_hicache_jit.buildcache.spec import kernels_dir; print(kernels_dir())"],
                            env=env, cwd=tmp_path, capture_output=True, text=True)
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()) == site / "sglang_hicache_jit" / "kernels"

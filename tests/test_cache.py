@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from sglang_hicache_jit.cache import BuildCache, CorruptEntry, verify_entry, write_manifest
-from sglang_hicache_jit.spec import derive_key
+from sglang_hicache_jit.buildcache.cache import BuildCache, CorruptEntry, verify_entry, write_manifest
+from sglang_hicache_jit.buildcache.spec import derive_key
 
 # Keys must follow from the ABI key and the toolkit (verify_entry checks it).
 AA = derive_key("abi1", "cuda-13.0-nvccA")
@@ -89,7 +89,7 @@ def test_name_and_digest_checks_agree_with_their_patterns():
     import random
     import re
 
-    from sglang_hicache_jit.cache import FILE_NAME, _is_sha256
+    from sglang_hicache_jit.buildcache.cache import FILE_NAME, _is_sha256
 
     name, digest = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*"), re.compile(r"[0-9a-f]{64}")
     rng = random.Random(5)

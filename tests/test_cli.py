@@ -14,9 +14,9 @@ import torch
 
 from fleet_helpers import ROOT, env_for, fake_entry
 from sglang_hicache_jit import cli, settings
-from sglang_hicache_jit.arch import parse_arch_list
-from sglang_hicache_jit.bundle import export_bundle
-from sglang_hicache_jit.cache import BuildCache
+from sglang_hicache_jit.buildcache.arch import parse_arch_list
+from sglang_hicache_jit.buildcache.bundle import export_bundle
+from sglang_hicache_jit.buildcache.cache import BuildCache
 
 NO_GPU = not torch.cuda.is_available()
 

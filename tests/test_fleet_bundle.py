@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from fleet_helpers import cli, entry_dirs, env_for, fake_entry, load_without_compiler, snapshot
-from sglang_hicache_jit.arch import parse_arch_list
-from sglang_hicache_jit.bundle import export_bundle, import_bundle
-from sglang_hicache_jit.cache import BuildCache, file_sha256
+from sglang_hicache_jit.buildcache.arch import parse_arch_list
+from sglang_hicache_jit.buildcache.bundle import export_bundle, import_bundle
+from sglang_hicache_jit.buildcache.cache import BuildCache, file_sha256
 from sglang_hicache_jit.errors import BundleError
 
 

@@ -4,8 +4,8 @@ import json
 import os
 
 from fleet_helpers import cli, env_for, fake_entry
-from sglang_hicache_jit import doctor, toolchain
-from sglang_hicache_jit.cache import BuildCache
+from sglang_hicache_jit.buildcache import doctor, toolchain
+from sglang_hicache_jit.buildcache.cache import BuildCache
 
 
 def _by_name(report: dict) -> dict:

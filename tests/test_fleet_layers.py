@@ -9,10 +9,10 @@ import pytest
 from fleet_helpers import (FAKE_TOOLKIT, cli, entry_dirs, env_for, fake_entry, load_without_compiler, manifest_of,
                            snapshot)
 from sglang_hicache_jit import settings
-from sglang_hicache_jit.arch import parse_arch_list
-from sglang_hicache_jit.cache import BuildCache, acceptable
+from sglang_hicache_jit.buildcache.arch import parse_arch_list
+from sglang_hicache_jit.buildcache.cache import BuildCache, acceptable
 from sglang_hicache_jit.errors import NotBuiltError, UnsafeCacheError
-from sglang_hicache_jit.loader import ensure_built
+from sglang_hicache_jit.buildcache.loader import ensure_built
 
 ARCHS = parse_arch_list("9.0")
 

@@ -11,8 +11,8 @@ import pytest
 
 from fleet_helpers import cli, entry_dirs, env_for, fake_entry
 from sglang_hicache_jit import settings
-from sglang_hicache_jit.cache import BuildCache, touch_used
-from sglang_hicache_jit.prune import apply_size_cap, prune
+from sglang_hicache_jit.buildcache.cache import BuildCache, touch_used
+from sglang_hicache_jit.buildcache.prune import apply_size_cap, prune
 
 KB = 1024
 

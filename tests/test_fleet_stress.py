@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from fleet_helpers import ROOT, env_for
-from sglang_hicache_jit.cache import BuildCache, verify_entry
+from sglang_hicache_jit.buildcache.cache import BuildCache, verify_entry
 
 pytestmark = [pytest.mark.slow]
 
@@ -27,7 +27,7 @@ SECONDS = float(os.environ.get("SGLANG_HICACHE_JIT_STRESS_SECONDS", "60"))
 WORKER = r'''
 import hashlib, json, os, random, sys, time, traceback, types
 
-from sglang_hicache_jit.toolchain import torch_info
+from sglang_hicache_jit.buildcache.toolchain import torch_info
 
 # The loader imports torch to dlopen; 16 real imports would only burn the 2 CPUs. A stand-in with the
 # real version facts (they are part of the cache key) does.
@@ -41,10 +41,10 @@ class _Ops:
 torch.ops = _Ops()
 sys.modules["torch"] = torch
 
-from sglang_hicache_jit import loader
-from sglang_hicache_jit.arch import parse_arch_list
-from sglang_hicache_jit.cache import write_manifest
-from sglang_hicache_jit.prune import prune
+from sglang_hicache_jit.buildcache import loader
+from sglang_hicache_jit.buildcache.arch import parse_arch_list
+from sglang_hicache_jit.buildcache.cache import write_manifest
+from sglang_hicache_jit.buildcache.prune import prune
 
 def fake_compile(spec, key, tools, staging):
     time.sleep(random.uniform(0.05, 0.3))
@@ -132,7 +132,7 @@ def test_sixteen_processes_prewarm_load_and_prune(tmp_path):
             for entry in arch_dir.iterdir():
                 if entry.is_dir():
                     verify_entry(entry, key=entry.name.rsplit("-", 1)[1])
-    from sglang_hicache_jit.prune import prune
+    from sglang_hicache_jit.buildcache.prune import prune
 
     prune(BuildCache(cache))
     assert not list((cache / "v1" / ".staging").iterdir()), "staging directories of finished builders remain"

@@ -6,11 +6,11 @@ import stat
 import pytest
 
 from fleet_helpers import cli, env_for, fake_entry
-from sglang_hicache_jit import loader, trust
-from sglang_hicache_jit.arch import Arch, parse_arch_list
-from sglang_hicache_jit.cache import BuildCache, open_verified, sass_numbers
+from sglang_hicache_jit.buildcache import loader, trust
+from sglang_hicache_jit.buildcache.arch import Arch, parse_arch_list
+from sglang_hicache_jit.buildcache.cache import BuildCache, open_verified, sass_numbers
 from sglang_hicache_jit.errors import ArchUnsupportedError, NotBuiltError, UnsafeCacheError
-from sglang_hicache_jit.loader import KernelLibrary, ensure_built, load_kernels
+from sglang_hicache_jit.buildcache.loader import KernelLibrary, ensure_built, load_kernels
 
 ARCHS = parse_arch_list("9.0")
 
@@ -169,9 +169,9 @@ def test_waiting_for_a_build_is_bounded_and_names_the_holder(tmp_path, monkeypat
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, types\n"
-         "from sglang_hicache_jit import loader\n"
-         "from sglang_hicache_jit.arch import parse_arch_list\n"
-         "from sglang_hicache_jit.spec import BuildSpec\n"
+         "from sglang_hicache_jit.buildcache import loader\n"
+         "from sglang_hicache_jit.buildcache.arch import parse_arch_list\n"
+         "from sglang_hicache_jit.buildcache.spec import BuildSpec\n"
          "spec = BuildSpec.for_archs(parse_arch_list('9.0'))\n"
          "with loader._build_lock(loader.writable_cache(), spec, spec.key('cuda-13.0-nvccT')):\n"
          "    print('held', flush=True); sys.stdin.read()\n"],

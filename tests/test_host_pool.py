@@ -637,7 +637,7 @@ int main(void) {
 
 
 def _cuda_include():
-    from sglang_hicache_jit.toolchain import find_toolkit
+    from sglang_hicache_jit.buildcache.toolchain import find_toolkit
 
     toolkit = find_toolkit()
     include = toolkit.home / "include" if toolkit else None

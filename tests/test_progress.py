@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sglang_hicache_jit.progress import describe_step, follow
+from sglang_hicache_jit.buildcache.progress import describe_step, follow
 
 # A stand-in for the build child: some chatter, a silence, then ninja-style steps.
 CHILD = r"""

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_hicache_jit import toolchain
-from sglang_hicache_jit.arch import Arch
+from sglang_hicache_jit.buildcache import toolchain
+from sglang_hicache_jit.buildcache.arch import Arch
 from sglang_hicache_jit.errors import ArchUnsupportedError, ToolchainError
 
 
@@ -76,7 +76,7 @@ def test_toolkit_identity_separates_patch_releases(tmp_path):
 
 
 def test_torch_info_does_not_import_torch():
-    code = ("import sys; from sglang_hicache_jit.toolchain import torch_info; info = torch_info(); "
+    code = ("import sys; from sglang_hicache_jit.buildcache.toolchain import torch_info; info = torch_info(); "
             "assert 'torch' not in sys.modules, 'torch was imported'; print(info['version'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent)

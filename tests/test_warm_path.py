@@ -17,12 +17,12 @@ import pytest
 
 from fleet_helpers import FAKE_TOOLKIT, env_for, fake_entry
 from sglang_hicache_jit import settings
-from sglang_hicache_jit.cache import BuildCache
-from sglang_hicache_jit.toolchain import find_toolkit
+from sglang_hicache_jit.buildcache.cache import BuildCache
+from sglang_hicache_jit.buildcache.toolchain import find_toolkit
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILD_ONLY = ("filelock", "platformdirs", "torch.utils.cpp_extension", "sglang_hicache_jit.build",
-              "sglang_hicache_jit.prune", "sglang_hicache_jit.remote", "sglang_hicache_jit.bundle")
+BUILD_ONLY = ("filelock", "platformdirs", "torch.utils.cpp_extension", "sglang_hicache_jit.buildcache.build",
+              "sglang_hicache_jit.buildcache.prune", "sglang_hicache_jit.buildcache.remote", "sglang_hicache_jit.buildcache.bundle")
 
 # argv[1]: 'fake' replaces the dlopen (the fake library is random bytes), 'real' loads for real.
 WARM_LOAD = f"""
@@ -32,7 +32,7 @@ subprocess.Popen.__init__ = refuse
 before = set(sys.modules)
 import sglang_hicache_jit
 if sys.argv[1] == "fake":
-    from sglang_hicache_jit import loader
+    from sglang_hicache_jit.buildcache import loader
     loader._dlopen = lambda fd, entry: None
 lib = sglang_hicache_jit.load_kernels("9.0")
 print(json.dumps({{"path": str(lib.path), "imported": [m for m in {BUILD_ONLY!r} if m in set(sys.modules) - before]}}))

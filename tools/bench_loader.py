@@ -57,8 +57,8 @@ t_main = time.time()
 if sys.argv[3] == "load":
     import torch
 t_torch = time.time()
-from sglang_hicache_jit import build, loader
-from sglang_hicache_jit.arch import parse_arch_list
+from sglang_hicache_jit.buildcache import build, loader
+from sglang_hicache_jit.buildcache.arch import parse_arch_list
 marks = {}
 real = build.compile_entry
 def timed(*args, **kwargs):

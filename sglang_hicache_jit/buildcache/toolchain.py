@@ -26,9 +26,9 @@ import sys
 from pathlib import Path
 from collections import namedtuple
 
-from . import settings
+from .. import settings
 from .arch import Arch
-from .errors import ArchUnsupportedError, ToolchainError
+from ..errors import ArchUnsupportedError, ToolchainError
 
 log = logging.getLogger("sglang_hicache_jit")
 

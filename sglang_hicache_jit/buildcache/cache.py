@@ -61,8 +61,9 @@ import time
 from pathlib import Path
 from collections import namedtuple
 
-from . import safeio, settings, trust
-from .errors import BadSettingError, UnsafeCacheError, write_error
+from .. import safeio, settings
+from . import trust
+from ..errors import BadSettingError, UnsafeCacheError, write_error
 from .spec import LAYOUT_VERSION, derive_key
 
 MANIFEST = "manifest.json"

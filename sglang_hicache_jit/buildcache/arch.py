@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from collections import namedtuple
 
-from . import settings
-from .errors import BadSettingError, NoArchError
+from .. import settings
+from ..errors import BadSettingError, NoArchError
 
 # torch.utils.cpp_extension's names for TORCH_CUDA_ARCH_LIST (torch 2.9-2.14),
 # copied because importing cpp_extension costs a second; matched ignoring case.

@@ -40,11 +40,11 @@ import time
 from pathlib import Path
 
 from .cache import BUILD_LOG, write_manifest
-from .errors import BuildFailedError
+from ..errors import BuildFailedError
 from .progress import follow
 from .spec import BuildSpec
 from .toolchain import BuildTools, host_cc, tool_env, torch_root
-from . import settings
+from .. import settings
 
 _COMPILE_SCRIPT = Path(__file__).with_name("_compile.py")
 

@@ -24,8 +24,8 @@ import os
 import stat
 from pathlib import Path
 
-from . import settings
-from .errors import UnsafeCacheError
+from .. import settings
+from ..errors import UnsafeCacheError
 
 _GROUP_OR_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 

@@ -45,10 +45,11 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__, remote, safeio, settings
+from .. import __version__, safeio, settings
+from . import remote
 from .cache import (ARCH_TAG, ENTRY_NAME, FILE_NAME, LAYOUT_MARKER, MANIFEST, MAX_RECORD_BYTES, BuildCache,
                     CorruptEntry, Entry, acceptable, file_sha256, manifest_problem, toolkit_version, verify_entry)
-from .errors import BadSettingError, BundleError, write_error
+from ..errors import BadSettingError, BundleError, write_error
 from .spec import KERNEL, LAYOUT_VERSION, derive_key
 
 log = logging.getLogger("sglang_hicache_jit")

@@ -34,7 +34,7 @@ from pathlib import Path
 from . import trust
 from .cache import (MANIFEST, MAX_RECORD_BYTES, BuildCache, CorruptEntry, Entry, acceptable, manifest_problem,
                     verify_entry)
-from .errors import RemoteError
+from ..errors import RemoteError
 from .spec import LAYOUT_VERSION
 
 log = logging.getLogger("sglang_hicache_jit")
@@ -74,7 +74,7 @@ def _read(fs, path: str, limit: int) -> bytes:
     """At most ``limit`` bytes of a remote file; OSError when it is larger (or,
     for a local file, not a regular file: a FIFO would block)."""
     if is_local(fs):
-        from . import safeio
+        from .. import safeio
 
         return safeio.read_regular(path, limit)
     with fs.open(path, "rb") as f:
@@ -89,7 +89,7 @@ def download(url: str, target: Path) -> None:
     fs, path = filesystem(url)
     try:
         if is_local(fs):  # never block on a FIFO or follow a planted link
-            from . import safeio
+            from .. import safeio
 
             src_file = os.fdopen(safeio.open_regular(path, follow=True), "rb")
         else:

@@ -35,10 +35,10 @@ from collections import namedtuple
 
 # Only what a warm hit uses is imported here: filelock alone took 65-80 ms to import, 15x the whole
 # warm load, and build.py, remote.py and socket are needed only to build or fetch.
-from . import safeio, settings
+from .. import safeio, settings
 from .arch import Arch, current_gpu_capability, resolve_archs
 from .cache import BuildCache, CorruptEntry, Entry, open_verified, sass_numbers, touch_used
-from .errors import (ArchUnsupportedError, BuildFailedError, DisabledError, HicacheJitError, LockTimeoutError,
+from ..errors import (ArchUnsupportedError, BuildFailedError, DisabledError, HicacheJitError, LockTimeoutError,
                      NotBuiltError, UnsafeCacheError, write_error)
 from .spec import BuildSpec
 from .toolchain import check_build_tools, find_toolkit, require_toolkit

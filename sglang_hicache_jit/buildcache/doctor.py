@@ -14,8 +14,9 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import remote, settings, toolchain, trust
-from .errors import HicacheJitError
+from . import remote, toolchain, trust
+from .. import settings
+from ..errors import HicacheJitError
 
 # A build needs a few MB of objects and ~0.5 MB per entry; below this, builds start failing oddly.
 MIN_FREE_BYTES = 256 << 20

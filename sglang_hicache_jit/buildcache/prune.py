@@ -49,9 +49,9 @@ from pathlib import Path
 
 import filelock
 
-from . import settings
+from .. import settings
 from .cache import ARCH_TAG, BuildCache, CorruptEntry, acceptable, entry_size, is_marked, last_used, verify_entry
-from .errors import BadSettingError, write_error
+from ..errors import BadSettingError, write_error
 from .spec import KERNEL, LAYOUT_VERSION
 
 log = logging.getLogger("sglang_hicache_jit")

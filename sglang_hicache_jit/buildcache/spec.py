@@ -21,7 +21,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from . import __version__, settings
+from .. import __version__, settings
 from .arch import Arch, archs_tag
 from .toolchain import torch_info
 
@@ -45,7 +45,7 @@ LAYOUT_VERSION = "v1"  # bump when the cache layout or manifest format changes
 
 def kernels_dir() -> Path:
     """The CUDA sources: inside the package in a wheel, beside it in a checkout."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # this file is in sglang_hicache_jit/buildcache/
     for candidate in (package / "kernels", package.parent / "kernels"):
         if all((candidate / name).is_file() for name in SOURCES + HEADERS):
             return candidate
