@@ -190,7 +190,7 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
 
     import torch
 
-    from . import ops
+    from .transfer import ops
 
     host_views = [buf[:, layer] for buf in pools.host]
     dev_views = [layers[layer] for layers in pools.device]
@@ -230,7 +230,7 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
     else:
         pairs = list(zip(host_views, dev_views))
     if provider in DIRECT_PROVIDERS:  # the copy engines: one copy per run of slots, batched calls
-        from . import direct
+        from .transfer import direct
 
         copy_pairs = direct.Pairs([(dev, host) if to_device else (host, dev) for host, dev in pairs])
         dst_idx, src_idx = (dev_idx, host_idx) if to_device else (host_idx, dev_idx)
@@ -479,7 +479,7 @@ def overhead(args, records: list | None = None) -> list[dict]:
     floor under which a small transfer cannot go however fast the kernel is."""
     import torch
 
-    from . import ops
+    from .transfer import ops
 
     records = [] if records is None else records  # filled as it goes: an interrupted run keeps them
     tokens = 64

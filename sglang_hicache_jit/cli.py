@@ -91,7 +91,7 @@ def _check_record(arch=None, device=None, code="ok", reason="", fix="", library=
 
 
 def _check_gpu(args) -> list[dict]:
-    from .probe import probe
+    from .transfer.probe import probe
 
     r = probe(device=args.device, build=not args.no_build)
     return [_check_record(r.capability, r.device, r.code, r.reason, r.fix, r.library, r.method)]

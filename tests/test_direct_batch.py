@@ -6,7 +6,7 @@ import ctypes
 import pytest
 import torch
 
-from sglang_hicache_jit import direct
+from sglang_hicache_jit.transfer import direct
 
 
 class FakeDriver:

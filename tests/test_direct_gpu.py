@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from sglang_hicache_jit import direct
+from sglang_hicache_jit.transfer import direct
 from sglang_hicache_jit.errors import TransferIndexError
 
 pytestmark = pytest.mark.gpu
@@ -173,7 +173,7 @@ def test_a_failing_3d_call_falls_back_once_and_explicit_modes_raise(monkeypatch,
     for mode in ("batch", "batch3d"):
         with pytest.raises(RuntimeError, match="cudaMemcpy3DBatchAsync"):
             direct.copy_rows([(dev, layer)], idx, idx, mode=mode)
-    with caplog.at_level(logging.WARNING, logger="sglang_hicache_jit.direct"):
+    with caplog.at_level(logging.WARNING, logger="sglang_hicache_jit.transfer.direct"):
         assert direct.copy_rows([(dev, layer)], idx, idx) == "2d"
         assert direct.copy_rows([(dev, layer)], idx, idx) == "2d"
     torch.cuda.synchronize()
@@ -193,7 +193,7 @@ def test_a_failing_driver_call_falls_back_once_to_the_3d_call(monkeypatch, caplo
     idx = torch.arange(8, 24)
     with pytest.raises(direct.DriverBatchError, match="cuMemcpyBatchAsync"):
         direct.copy_rows([(dev, host)], idx, idx, mode="batch")
-    with caplog.at_level(logging.WARNING, logger="sglang_hicache_jit.direct"):
+    with caplog.at_level(logging.WARNING, logger="sglang_hicache_jit.transfer.direct"):
         assert direct.copy_rows([(dev, host)], idx, idx) == "batch"
         assert direct.copy_rows([(dev, host)], idx, idx) == "batch"
     torch.cuda.synchronize()

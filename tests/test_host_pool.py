@@ -20,7 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_hicache_jit import direct, host_pool
+from sglang_hicache_jit.transfer import direct
+
+from sglang_hicache_jit import host_pool
 from sglang_hicache_jit.errors import TransferIndexError
 from sglang_hicache_jit.host_pool import MHADevicePool, MHAHostKVPool, MLADevicePool, MLAHostKVPool
 
@@ -705,7 +707,7 @@ def test_allocator_refuses_double_and_foreign_frees():
 
 
 def test_allocator_reuses_freed_slots_in_order():
-    from sglang_hicache_jit.slot_allocator import SlotAllocator
+    from sglang_hicache_jit.transfer.slot_allocator import SlotAllocator
 
     alloc = SlotAllocator(16, 2)
     a, b = alloc.alloc(4), alloc.alloc(4)
@@ -752,14 +754,14 @@ def test_d3_a_free_must_be_whole_pages_so_no_slot_gets_two_owners():
     (10, 3, r"size \(10\) must be a multiple of page_size \(3\)"),
     (True, 1, "size must be an int"), (10.0, 1, "size must be an int"), (10, None, "page_size must be an int")])
 def test_t8_slot_allocator_validates_its_construction(size, page_size, match):
-    from sglang_hicache_jit.slot_allocator import SlotAllocator
+    from sglang_hicache_jit.transfer.slot_allocator import SlotAllocator
 
     with pytest.raises(ValueError, match=match):
         SlotAllocator(size, page_size)
 
 
 def test_t8_a_valid_slot_allocator_still_works():
-    from sglang_hicache_jit.slot_allocator import SlotAllocator
+    from sglang_hicache_jit.transfer.slot_allocator import SlotAllocator
 
     assert SlotAllocator(0, 4).alloc(0).numel() == 0 and SlotAllocator(0, 4).alloc(4) is None
     alloc = SlotAllocator(12, 4)

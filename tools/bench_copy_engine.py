@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from sglang_hicache_jit.direct import cuda_runtime  # noqa: E402
+from sglang_hicache_jit.transfer.direct import cuda_runtime  # noqa: E402
 
 MEMCPY_DEFAULT = 4
 
@@ -109,7 +109,7 @@ def many_small(copies: int = 256, rows: int = 64, width: int = 1152, pitch: int 
 def flat_batch(pages: int = 1024, page_bytes: int = 64 * 1152, layers: int = 8) -> None:
     """The driver's cuMemcpyBatchAsync alone (copies planned beforehand, one call per timing) against the
     direct path's whole call (planning included): where does a batch of page_first_direct pages lose time?"""
-    from sglang_hicache_jit import direct
+    from sglang_hicache_jit.transfer import direct
 
     torch.cuda.set_stream(torch.cuda.Stream())  # the batch call refuses the legacy NULL stream
     driver = direct.driver_batch()
@@ -201,7 +201,8 @@ def sizes_sweep(total: int = 64 * 2**20, row: int = 1152) -> None:
     random on both sides (host side sorted, as HiCache allocates), random bytes. Each direction alone
     and both at once (two streams), against one contiguous copy of the same bytes and the JIT kernel
     moving the same bytes as rows (page 64), all in this run."""
-    from sglang_hicache_jit import direct, ops
+    from sglang_hicache_jit.transfer import direct
+    from sglang_hicache_jit import ops
 
     torch.cuda.set_stream(torch.cuda.Stream())  # the batch call refuses the legacy NULL stream
     driver = direct.driver_batch()
@@ -277,7 +278,7 @@ def sizes_sweep(total: int = 64 * 2**20, row: int = 1152) -> None:
 def planning(pages: int = 1024, page_rows: int = 64, row: int = 1152) -> None:
     """Host time of each planning stage of ``direct.copy_rows`` for ``pages`` random pages of one packed
     pair (CPU indices, as HiCache's host side has them), median of 50 calls each; no GPU is touched."""
-    from sglang_hicache_jit import direct
+    from sglang_hicache_jit.transfer import direct
 
     gen = torch.Generator().manual_seed(0)
     host_pages = torch.randperm(4 * pages, generator=gen)[:pages].sort().values
@@ -316,7 +317,7 @@ def planning(pages: int = 1024, page_rows: int = 64, row: int = 1152) -> None:
 def split_streams(total: int = 64 * 2**20, row: int = 1152) -> None:
     """One direction's batch split over 1, 2 or 4 streams (one batch call each, the copies dealt round
     robin): does a second copy engine take the fixed per-copy cost in parallel?"""
-    from sglang_hicache_jit import direct
+    from sglang_hicache_jit.transfer import direct
 
     torch.cuda.set_stream(torch.cuda.Stream())
     driver = direct.driver_batch()

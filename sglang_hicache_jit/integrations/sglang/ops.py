@@ -35,9 +35,10 @@ import weakref
 
 import torch
 
-from ... import compat, direct, ops, settings
+from ... import compat, settings
+from ...transfer import direct, ops
 from ...errors import BadSettingError
-from ...probe import probe
+from ...transfer.probe import probe
 
 log = logging.getLogger(__name__)
 

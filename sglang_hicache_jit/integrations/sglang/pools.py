@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 
 from . import ops as routed
-from ... import direct, ops
+from ...transfer import direct, ops
 from .matching import needs
 
 log = logging.getLogger(__name__)

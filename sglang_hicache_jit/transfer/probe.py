@@ -35,8 +35,8 @@ import operator
 import threading
 from dataclasses import dataclass
 
-from . import settings
-from .errors import HicacheJitError
+from .. import settings
+from ..errors import HicacheJitError
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def _probe_device(device: int | None, build: bool) -> ProbeResult:
             return cached
         transient = False
         try:
-            from .buildcache.loader import load_kernels
+            from ..buildcache.loader import load_kernels
 
             library = load_kernels(device=index, build=build)
         except HicacheJitError as exc:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from . import direct
-from .errors import TransferIndexError
+from ..errors import TransferIndexError
 from .ops import check_dense, check_index_tensor
 from .slot_allocator import SlotAllocator
 

@@ -39,7 +39,7 @@ import threading
 
 import torch
 
-from .errors import TransferIndexError
+from ..errors import TransferIndexError
 from .ops import check_index_tensor
 
 log = logging.getLogger(__name__)

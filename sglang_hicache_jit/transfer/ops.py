@@ -25,8 +25,8 @@ import weakref
 
 import torch
 
-from . import settings
-from .errors import ArchUnsupportedError, TransferIndexError
+from .. import settings
+from ..errors import ArchUnsupportedError, TransferIndexError
 
 # block_quota=None lets the kernel pick its measured default: 4 CTAs for the
 # bulk engine (host -> GPU), 8 for plain loads and stores (GPU -> host). For
@@ -89,8 +89,8 @@ class _DeviceState:
     """Per-device library handle and the pinned words the kernel reports errors in."""
 
     def __init__(self, device: int):
-        from .buildcache.arch import current_gpu_capability
-        from .buildcache.loader import load_kernels
+        from ..buildcache.arch import current_gpu_capability
+        from ..buildcache.loader import load_kernels
 
         self.device = device
         self.capability = current_gpu_capability(device)
