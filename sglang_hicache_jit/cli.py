@@ -254,7 +254,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import format_report, run_demo
+    from .bench.demo import format_report, run_demo
 
     try:
         report = run_demo(args.tokens)
@@ -359,7 +359,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .benchmark import run_parsed
+    from .bench.benchmark import run_parsed
 
     return run_parsed(args)
 
@@ -407,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("info", cmd_info, "versions, toolchain, every setting and where it came from, layers and entries")
     json_flag(p)
 
-    from .benchmark import add_arguments  # argparse only: torch is imported when the benchmark runs
+    from .bench.benchmark import add_arguments  # argparse only: torch is imported when the benchmark runs
 
     p = command("bench", cmd_bench, "benchmark the transfers on this GPU against PyTorch baselines and the "
                 "link's ceiling")

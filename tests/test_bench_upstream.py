@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fleet_helpers import ROOT
-from sglang_hicache_jit import bench_upstream, benchmark
-from sglang_hicache_jit.bench_upstream import Unavailable
+from sglang_hicache_jit.bench import upstream as bench_upstream, benchmark
+from sglang_hicache_jit.bench.upstream import Unavailable
 
 LAYERS = benchmark.LAYERS
 

@@ -4,8 +4,8 @@ one, without SGLang, or where SGLang's kernel does not take the rows: the benchm
 import pytest
 import torch
 
-from sglang_hicache_jit import bench_upstream, benchmark
-from sglang_hicache_jit.bench_upstream import Unavailable
+from sglang_hicache_jit.bench import upstream as bench_upstream, benchmark
+from sglang_hicache_jit.bench.upstream import Unavailable
 
 pytestmark = pytest.mark.gpu
 

@@ -4,7 +4,9 @@ tests/test_resident_gpu.py)."""
 import pytest
 import torch
 
-from sglang_hicache_jit import benchmark, ops, settings
+from sglang_hicache_jit.bench import benchmark
+
+from sglang_hicache_jit import ops, settings
 from sglang_hicache_jit.errors import BadSettingError
 
 

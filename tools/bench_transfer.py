@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sglang_hicache_jit.benchmark import main  # noqa: E402
+from sglang_hicache_jit.bench.benchmark import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

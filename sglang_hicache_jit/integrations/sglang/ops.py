@@ -35,7 +35,8 @@ import weakref
 
 import torch
 
-from ... import compat, settings
+from .. import compat
+from ... import settings
 from ...transfer import direct, ops
 from ...errors import BadSettingError
 from ...transfer.probe import probe

@@ -37,8 +37,8 @@ import weakref
 
 import torch
 
-from .transfer import ops
-from .transfer.probe import probe
+from ..transfer import ops
+from ..transfer.probe import probe
 
 log = logging.getLogger(__name__)
 _warned: set = set()

@@ -6,7 +6,7 @@ pool, random whole pages (host side sorted), one layer per call or all layers
 at once. Every figure is a median of CUDA-event timings over several calls on
 random bytes; the ceiling (one contiguous pinned copy of the same bytes, same
 direction) is measured in the same run, and every ratio is against it. Upstream SGLang's own kernels
-run as the ``upstream*`` providers (bench_upstream.py) when SGLang is importable; a transfer run ends
+run as the ``upstream*`` providers (upstream.py) when SGLang is importable; a transfer run ends
 with a summary of the best of ours against the best of upstream per cell.
 
 Run with ``sglang-hicache-jit bench`` or ``python tools/bench_transfer.py``.
@@ -26,9 +26,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import bench_upstream, safeio, settings
-from .bench_upstream import Unavailable
-from .errors import BadSettingError
+from . import upstream
+from .. import safeio, settings
+from .upstream import Unavailable
+from ..errors import BadSettingError
 
 WORKLOADS = {
     # name: (caches per layer, row bytes)
@@ -131,7 +132,7 @@ def _providers(args):
         return ["ceiling"] + [p for p in args.providers if p != "ceiling"]
     names = ["ceiling", "jit"] + [f"jit-q{q}" for q in args.quotas]
     names += [f"jit-{m}-q{q}" for m in args.methods for q in args.quotas]
-    if bench_upstream.importable():  # upstream SGLang's kernels beside ours, at SGLang's own defaults
+    if upstream.importable():  # upstream SGLang's kernels beside ours, at SGLang's own defaults
         names += ["upstream", "upstream-reg", "upstream-tma"]
     return names + ["torch-index", "per-page"]
 
@@ -146,7 +147,7 @@ def check_provider(name: str) -> None:
             _parse_jit_provider(name)
             return
         if head == "upstream":
-            bench_upstream.parse(name)
+            upstream.parse(name)
             return
     except (ValueError, IndexError) as exc:
         raise ValueError(f"bad provider {name!r}: {exc}") from None
@@ -182,15 +183,15 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
     """A zero-argument callable doing one transfer with ``provider``; Unavailable if it cannot run here."""
     to_device = direction == "h2d"
     if provider.startswith("upstream"):
-        up = bench_upstream.module()  # Unavailable without SGLang, before anything touches the GPU
+        up = upstream.module()  # Unavailable without SGLang, before anything touches the GPU
         if pools.layout == "page_first_direct":
             raise Unavailable("SGLang's kernels take page_first_direct pages through its direct backend only")
-        return bench_upstream.build_call(up, provider, pools, scope, to_device, layer, host_idx.cuda(),
+        return upstream.build_call(up, provider, pools, scope, to_device, layer, host_idx.cuda(),
                                          dev_idx.cuda(), page_size, LAYERS)
 
     import torch
 
-    from .transfer import ops
+    from ..transfer import ops
 
     host_views = [buf[:, layer] for buf in pools.host]
     dev_views = [layers[layer] for layers in pools.device]
@@ -230,7 +231,7 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
     else:
         pairs = list(zip(host_views, dev_views))
     if provider in DIRECT_PROVIDERS:  # the copy engines: one copy per run of slots, batched calls
-        from .transfer import direct
+        from ..transfer import direct
 
         copy_pairs = direct.Pairs([(dev, host) if to_device else (host, dev) for host, dev in pairs])
         dst_idx, src_idx = (dev_idx, host_idx) if to_device else (host_idx, dev_idx)
@@ -286,7 +287,7 @@ def _resident_blocks(ops, blocks) -> None:
     """Resident CTAs for the next resident transfer: the queue is made again when the count changes."""
     import os
 
-    from . import settings
+    from .. import settings
 
     wanted = str(blocks) if blocks else ""
     if os.environ.get(settings.RESIDENT_BLOCKS, "") != wanted:
@@ -479,7 +480,7 @@ def overhead(args, records: list | None = None) -> list[dict]:
     floor under which a small transfer cannot go however fast the kernel is."""
     import torch
 
-    from .transfer import ops
+    from ..transfer import ops
 
     records = [] if records is None else records  # filled as it goes: an interrupted run keeps them
     tokens = 64

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .transfer.host_pool import MLADevicePool, MLAHostKVPool
+from ..transfer.host_pool import MLADevicePool, MLAHostKVPool
 
 KV_CACHE_DIM = 576  # DeepSeek-V3: kv_lora_rank 512 + qk_rope_head_dim 64
 DTYPE = torch.bfloat16
