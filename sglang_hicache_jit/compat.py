@@ -1,0 +1,8 @@
+"""Alias: ``sglang_hicache_jit.compat`` is ``sglang_hicache_jit.integrations.compat`` (the name users import; docs/layout.md)."""
+
+import sys
+
+from .integrations import compat as _module
+
+# The same module object under both names, so attribute reads and monkeypatches reach one namespace.
+sys.modules[__name__] = _module
