@@ -1,8 +1,8 @@
-"""One stand-in CUDA device for running ops.py's Python layer without a GPU.
+"""One stand-in CUDA device for running the transfer ops' Python layer without a GPU.
 
 Used by tests/test_plan_cache.py and tools/bench_host_cost.py. Tensors keep
 CPU memory but claim to be on cuda:0 (``cuda(t)``) or in pinned memory
-(``pinned(t)``); the device state is built through ops._DeviceState with the
+(``pinned(t)``); the device state is built through launcher._DeviceState with the
 library loader, the capability query and pinned allocation stubbed, so the
 state is the real class with the real launch code. Its C launcher is what the
 caller passes: a Python recorder (tests) or a no-op C function (the bench).
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import subprocess
 import tempfile
 import types
@@ -71,7 +72,7 @@ class Recorder:
         self.calls: list[dict] = []
 
     def __call__(self, spec, stream, method_used) -> int:
-        from sglang_hicache_jit.ops import _CTransfer
+        from sglang_hicache_jit.transfer.abi import _CTransfer
 
         # ops passes both by address (an int) or as ctypes.byref().
         spec = _CTransfer.from_address(spec) if isinstance(spec, int) else spec._obj
@@ -129,6 +130,15 @@ class _FakeKernels:
         return True
 
 
+def _state_modules(ops) -> list:
+    """Where the device state and the per-call CUDA queries live: transfer/launcher.py and
+    transfer/resident.py beside ``ops``, or ``ops`` itself for a one-file ops.py of an older revision
+    (tools/bench_host_cost.py --baseline)."""
+    if hasattr(ops, "_DeviceState"):
+        return [ops]
+    return [importlib.import_module(f"{ops.__package__}.{name}") for name in ("launcher", "resident")]
+
+
 def install(ops, *, handle=None, transfer=None, device: int = 0):
     """Builds ops' state for ``device`` around ``handle`` (a ctypes library
     with hicache_transfer_launch, or None for the torch-op fallback) and
@@ -145,27 +155,28 @@ def install(ops, *, handle=None, transfer=None, device: int = 0):
     loader.load_kernels = lambda device=None, **kwargs: _FakeKernels(handle, transfer or (lambda *a: 1))
     torch.zeros = zeros
     try:
-        state = ops._DeviceState(device)
+        state = _state_modules(ops)[0]._DeviceState(device)
     finally:
         arch.current_gpu_capability, loader.load_kernels, torch.zeros = saved
-    ops._states[device] = state
+    _state_modules(ops)[0]._states[device] = state
     return state
 
 
 @contextlib.contextmanager
 def stub_cuda_runtime(ops):
     """The CUDA runtime queries ops makes per call, answered without a GPU."""
-    saved = {name: getattr(ops, name) for name in ("_raw_stream", "_current_device") if hasattr(ops, name)}
+    modules = _state_modules(ops)
+    saved = [(m, name, getattr(m, name)) for m in modules for name in ("_raw_stream", "_current_device")
+             if hasattr(m, name)]
     saved_current = torch.cuda.current_device
-    ops._raw_stream = lambda device: 0
-    if "_current_device" in saved:
-        ops._current_device = lambda: 0
+    for module, name, _ in saved:
+        setattr(module, name, (lambda device: 0) if name == "_raw_stream" else (lambda: 0))
     torch.cuda.current_device = lambda: 0
     try:
         yield
     finally:
-        for name, value in saved.items():
-            setattr(ops, name, value)
+        for module, name, value in saved:
+            setattr(module, name, value)
         torch.cuda.current_device = saved_current
 
 

@@ -20,9 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_hicache_jit.transfer import direct
-
 from sglang_hicache_jit import host_pool
+from sglang_hicache_jit.transfer import direct
 from sglang_hicache_jit.errors import TransferIndexError
 from sglang_hicache_jit.host_pool import MHADevicePool, MHAHostKVPool, MLADevicePool, MLAHostKVPool
 

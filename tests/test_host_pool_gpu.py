@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_hicache_jit.transfer import direct
-
 from sglang_hicache_jit import host_pool, ops
+from sglang_hicache_jit.transfer import direct
 from sglang_hicache_jit.probe import ProbeResult, probe
 
 from test_host_pool import (LAYOUTS, PAGE_SIZES, ROW_BYTES, as_bytes, make_device_pool, make_host_pool,

@@ -1,4 +1,4 @@
-"""The ctypes mirror of HicacheTransfer (ops._CTransfer) matches the C header field for field."""
+"""The ctypes mirror of HicacheTransfer (transfer/abi.py's _CTransfer) matches the C header field for field."""
 
 import shutil
 import subprocess
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_hicache_jit import ops
+from sglang_hicache_jit.transfer import abi
 
 HEADER = Path(__file__).resolve().parent.parent / "kernels" / "hicache_transfer.h"
 # C name of each ctypes field (the two-element arrays are two ctypes fields).
@@ -17,7 +17,7 @@ C_NAMES = {"src_table0": "src_tables[0]", "src_table1": "src_tables[1]", "dst_ta
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 def test_ctypes_struct_matches_header(tmp_path):
-    fields = [name for name, _ in ops._CTransfer._fields_]
+    fields = [name for name, _ in abi._CTransfer._fields_]
     lines = [f'printf("%zu\\n", offsetof(HicacheTransfer, {C_NAMES.get(f, f)}));' for f in fields]
     source = tmp_path / "abi.c"
     source.write_text(f'#include <stddef.h>\n#include <stdio.h>\n#include "{HEADER}"\nint main(void) {{\n'
@@ -26,5 +26,5 @@ def test_ctypes_struct_matches_header(tmp_path):
     subprocess.run(["cc", "-o", str(exe), str(source)], check=True)
     c_offsets = [int(x) for x in subprocess.run([str(exe)], check=True, capture_output=True,
                                                 text=True).stdout.split()]
-    py_offsets = [getattr(ops._CTransfer, f).offset for f in fields] + [ops.ctypes.sizeof(ops._CTransfer)]
+    py_offsets = [getattr(abi._CTransfer, f).offset for f in fields] + [abi.ctypes.sizeof(abi._CTransfer)]
     assert py_offsets == c_offsets

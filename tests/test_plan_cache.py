@@ -1,4 +1,4 @@
-"""ops.py's launch plans, without a GPU: a repeated call reuses its plan, and
+"""The launch plans (transfer/plans.py), without a GPU: a repeated call reuses its plan, and
 anything that would change validation leads to a new one (or to the same
 error as before). The device is tests/fake_gpu.py's stand-in; its launcher
 records each HicacheTransfer it gets, index values included."""
@@ -14,6 +14,7 @@ import torch
 
 import fake_gpu
 from sglang_hicache_jit import ops
+from sglang_hicache_jit.transfer import launcher
 from sglang_hicache_jit.errors import TransferIndexError
 
 
@@ -22,15 +23,15 @@ def launches(monkeypatch):
     """A fake cuda:0 whose launcher records; yields the recorder."""
     monkeypatch.delenv("SGLANG_HICACHE_JIT_STRICT", raising=False)
     monkeypatch.delenv("SGLANG_HICACHE_JIT_METHOD", raising=False)
-    saved = dict(ops._states)
+    saved = dict(launcher._states)
     recorder = fake_gpu.Recorder()
     with fake_gpu.stub_cuda_runtime(ops), fake_gpu.stub_uploads():
         ops.reload_settings()  # also drops plans left by other tests
         state = fake_gpu.install(ops)
         state._launch_c = recorder
         yield recorder
-    ops._states.clear()
-    ops._states.update(saved)
+    launcher._states.clear()
+    launcher._states.update(saved)
     ops.reload_settings()
 
 
@@ -199,7 +200,7 @@ def test_cpu_indices_are_staged_together(launches):
 def test_a_pending_error_raises_on_a_plan(launches):
     d, h = dev(), host()
     ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
-    state = ops._states[0]
+    state = launcher._states[0]
     state.error_view[1] = 1  # as the kernel does for an index past the destination pool
     with pytest.raises(TransferIndexError, match="indices_dst"):
         ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
@@ -243,7 +244,7 @@ def test_the_torch_op_fallback_runs_from_a_plan(launches):
     d, h = dev(), host()
     ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1))
     seen = []
-    state = ops._states[0]
+    state = launcher._states[0]
     state._launch_c, state.transfer = None, lambda idx_src, idx_dst, *args: seen.append(
         (idx_src.tolist(), idx_dst.tolist(), args)) or 2
     assert ops.transfer_one_layer_mla(d, gpu_idx(1, 2), h, gpu_idx(3, 4)) == "bulk"
@@ -306,7 +307,7 @@ def test_each_thread_has_its_own_plans(launches):
 
 def test_resident_plans_submit_to_the_queue(launches, monkeypatch):
     d, h = dev(), host()
-    state = ops._states[0]
+    state = launcher._states[0]
     queued = []
     monkeypatch.setattr(state, "_submit_resident", lambda spec: queued.append(
         (spec.method, spec.num_items, spec.dst_base0)) or 17)
@@ -350,7 +351,7 @@ class _FakeResidentLibrary:
 
 def test_resident_stop_waits_for_a_submit_in_flight(launches, monkeypatch):
     """stop_resident frees the queue: it must never run while another thread is inside submit."""
-    state = ops._states[0]
+    state = launcher._states[0]
     fake = _FakeResidentLibrary()
     monkeypatch.setattr(state, "library", fake)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(

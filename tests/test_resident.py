@@ -4,10 +4,10 @@ tests/test_resident_gpu.py)."""
 import pytest
 import torch
 
-from sglang_hicache_jit.bench import benchmark
-
 from sglang_hicache_jit import ops, settings
+from sglang_hicache_jit.bench import benchmark
 from sglang_hicache_jit.errors import BadSettingError
+from sglang_hicache_jit.transfer import abi, checks, launcher
 
 
 def test_resident_settings_defaults_and_bounds(monkeypatch):
@@ -40,15 +40,15 @@ def test_method_setting_accepts_resident(monkeypatch, value):
 
 def test_method_codes():
     ops.reload_settings()
-    resident = ops._RESIDENT
+    resident = abi._RESIDENT
     # 'resident' runs the bulk engine both ways (the kernel falls back to plain where bulk cannot run).
-    assert ops._method_code("resident", True) == resident | ops._METHODS["auto"]
-    assert ops._method_code("resident", False) == resident | ops._METHODS["auto"]
-    assert ops._method_code("resident-plain", False) == resident | ops._METHODS["plain"]
-    assert ops._method_code("resident-bulk", True) == resident | ops._METHODS["bulk"]
-    assert ops.METHOD_NAMES[resident | ops._METHODS["bulk"]] == "resident-bulk"
+    assert checks._method_code("resident", True) == resident | abi._METHODS["auto"]
+    assert checks._method_code("resident", False) == resident | abi._METHODS["auto"]
+    assert checks._method_code("resident-plain", False) == resident | abi._METHODS["plain"]
+    assert checks._method_code("resident-bulk", True) == resident | abi._METHODS["bulk"]
+    assert ops.METHOD_NAMES[resident | abi._METHODS["bulk"]] == "resident-bulk"
     with pytest.raises(ValueError, match="resident"):  # the message lists every method
-        ops._method_code("residential", True)
+        checks._method_code("residential", True)
 
 
 def test_stop_resident_without_a_queue_is_a_no_op():
@@ -77,7 +77,7 @@ def test_device_arguments_take_ints_and_torch_devices():
     """check_errors, stop_resident and resident_stats name a device by index or torch.device (no GPU
     touched when nothing ran there)."""
     for device in (5, torch.device("cuda", 5)):
-        assert ops._device_index(device) == 5
+        assert launcher._device_index(device) == 5
         ops.check_errors(device)
         ops.stop_resident(device)
         assert ops.resident_stats(device) is None

@@ -480,7 +480,7 @@ def overhead(args, records: list | None = None) -> list[dict]:
     floor under which a small transfer cannot go however fast the kernel is."""
     import torch
 
-    from ..transfer import ops
+    from ..transfer import abi, launcher, ops, plans
 
     records = [] if records is None else records  # filled as it goes: an interrupted run keeps them
     tokens = 64
@@ -491,14 +491,14 @@ def overhead(args, records: list | None = None) -> list[dict]:
     idx_cpu = torch.arange(tokens)
     contiguous_host = torch.empty(tokens * 1152, dtype=torch.uint8, pin_memory=True)
     contiguous_dev = torch.empty_like(contiguous_host, device="cuda")
-    state = ops._state(torch.cuda.current_device())
+    state = launcher._state(torch.cuda.current_device())
 
     def through_torch_op():  # the binding's torch op instead of the C launcher, for comparison
-        launcher, state._launch_c = state._launch_c, None
+        c_launch, state._launch_c = state._launch_c, None
         try:
             ops.transfer_one_layer_mla(dev, idx_gpu, host, idx_gpu)
         finally:
-            state._launch_c = launcher
+            state._launch_c = c_launch
 
     calls = {
         "jit one-layer, GPU indices": lambda: ops.transfer_one_layer_mla(dev, idx_gpu, host, idx_gpu),
@@ -513,11 +513,11 @@ def overhead(args, records: list | None = None) -> list[dict]:
         # Where the first row's time goes: the kept plan run without the key
         # look-up, the C launcher alone on the plan's filled struct (with and
         # without a kernel to launch), and a ctypes call that does nothing.
-        ops._clear_plans()
+        plans._clear_plans()
         ops.transfer_one_layer_mla(dev, idx_gpu, host, idx_gpu)
-        plan = next(iter(ops._plan_cache().values()))
-        launch, stream = state._launch_c, ops._raw_stream(state.device)
-        empty = ops._CTransfer.from_buffer_copy(plan.spec)
+        plan = next(iter(plans._plan_cache().values()))
+        launch, stream = state._launch_c, abi._raw_stream(state.device)
+        empty = abi._CTransfer.from_buffer_copy(plan.spec)
         empty.num_items = 0
         noop = state.library.handle.hicache_error_string
         calls["  breakdown: plan.run"] = lambda: plan.run(idx_gpu, idx_gpu)

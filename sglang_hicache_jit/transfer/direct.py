@@ -40,7 +40,7 @@ import threading
 import torch
 
 from ..errors import TransferIndexError
-from .ops import check_index_tensor
+from .checks import check_index_tensor
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ import torch
 
 from . import direct
 from ..errors import TransferIndexError
-from .ops import check_dense, check_index_tensor
+from .checks import check_dense, check_index_tensor
 from .slot_allocator import SlotAllocator
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from .ops import check_dense
+from .checks import check_dense
 
 
 class SlotAllocator:
