@@ -5,6 +5,7 @@ import json
 import pytest
 
 from sglang_hicache_jit.buildcache.cache import BuildCache, CorruptEntry, verify_entry, write_manifest
+from sglang_hicache_jit.buildcache.prune import clean
 from sglang_hicache_jit.buildcache.spec import derive_key
 
 # Keys must follow from the ABI key and the toolkit (verify_entry checks it).
@@ -71,7 +72,8 @@ def test_failure_records_round_trip_and_clean(tmp_path):
     record = cache.read_failure("sm90", "k", AA)
     assert record["reason"] == "nvcc said no" and record["log_path"] == str(log)
     assert log.read_text() == "error: line 3\n"
-    removed = cache.clean(failed_only=True)  # the record and its log, counted as one record
+    # The record and its log, counted as one record.
+    removed = [path for path, _, _ in clean(cache, failed_only=True).removed]
     assert removed == [cache.failure_path("sm90", "k", AA)] and not log.exists()
     assert cache.read_failure("sm90", "k", AA) is None
 

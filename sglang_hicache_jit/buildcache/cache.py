@@ -680,11 +680,3 @@ class BuildCache:
             return []
         return sorted(p for p in self.layout_root.glob("*/*.failed.json")
                       if ARCH_TAG.match(p.parent.name) and FAILURE_NAME.match(p.name))
-
-    def clean(self, *, failed_only: bool = False) -> list[Path]:
-        """Removes failure records (and with failed_only=False every entry and
-        the debris of builders that are gone), skipping what a live process
-        holds; see prune.clean. Returns what was removed."""
-        from .prune import clean
-
-        return [path for path, _, _ in clean(self, failed_only=failed_only).removed]
