@@ -728,7 +728,7 @@ def run_parsed(args) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-        ops = sys.modules.get(f"{__package__}.ops")
+        ops = sys.modules.get(f"{__package__.rpartition('.')[0]}.transfer.ops")  # bench/ -> transfer/ops
         if ops is not None:  # providers leave their bulk tuning set; give the caller the defaults back
             ops.set_tuning(bulk_warps=0, read_align=0)
     summary = summarize(records) if args.mode == "transfer" else []

@@ -40,7 +40,7 @@ import torch
 from ..transfer import ops
 from ..transfer.probe import probe
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sglang_hicache_jit.compat")  # its name from before the move to a subpackage (issue 20)
 _warned: set = set()
 
 

@@ -42,7 +42,7 @@ import torch
 from ..errors import TransferIndexError
 from .checks import check_index_tensor
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sglang_hicache_jit.direct")  # its name from before the move to a subpackage (issue 20)
 
 # 'batch': flat copies through the driver's batch call, strided ones through the runtime's 3-D one;
 # 'batch3d': everything through the 3-D call (the path before the driver call, kept as a same-run

@@ -45,7 +45,7 @@ from ..errors import TransferIndexError
 from .checks import check_dense, check_index_tensor
 from .slot_allocator import SlotAllocator
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sglang_hicache_jit.host_pool")  # its name from before the move to a subpackage (issue 20)
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 IO_BACKENDS = ("kernel", "direct", "auto", "resident")
