@@ -359,7 +359,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench.benchmark import run_parsed
+    from .bench.command import run_parsed
 
     return run_parsed(args)
 
@@ -407,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("info", cmd_info, "versions, toolchain, every setting and where it came from, layers and entries")
     json_flag(p)
 
-    from .bench.benchmark import add_arguments  # argparse only: torch is imported when the benchmark runs
+    from .bench.command import add_arguments  # argparse only: torch is imported when the benchmark runs
 
     p = command("bench", cmd_bench, "benchmark the transfers on this GPU against PyTorch baselines and the "
                 "link's ceiling")

@@ -24,7 +24,7 @@ import ctypes, json, pwd, tarfile, tempfile, shutil, gzip, zlib, decimal, hashli
 import torch, filelock, platformdirs  # noqa
 import sglang_hicache_jit.cli, sglang_hicache_jit.buildcache.loader, sglang_hicache_jit.buildcache.doctor  # noqa
 import sglang_hicache_jit.buildcache.bundle, sglang_hicache_jit.buildcache.prune, sglang_hicache_jit.buildcache.remote  # noqa
-import sglang_hicache_jit.bench.benchmark  # noqa  (the CLI's parser holds bench's options)
+import sglang_hicache_jit.bench.command  # noqa  (the CLI's parser holds bench's options)
 from sglang_hicache_jit.buildcache import spec, toolchain
 spec.kernels_dir(); toolchain.torch_info()
 uid = int(sys.argv[1])

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from fleet_helpers import ROOT
-from sglang_hicache_jit.bench import upstream as bench_upstream, benchmark
+from sglang_hicache_jit.bench import upstream as bench_upstream
+from sglang_hicache_jit.bench import command, modes, providers, report, workloads
 from sglang_hicache_jit.bench.upstream import Unavailable
 
-LAYERS = benchmark.LAYERS
+LAYERS = workloads.LAYERS
 
 
 @pytest.mark.parametrize("name, parsed", [
@@ -23,18 +24,18 @@ LAYERS = benchmark.LAYERS
 ])
 def test_upstream_names_parse(name, parsed):
     assert bench_upstream.parse(name) == parsed
-    benchmark.check_provider(name)
+    providers.check_provider(name)
 
 
 @pytest.mark.parametrize("name", ["upstream-foo", "upstream-q", "upstream-q0", "upstream-qx", "upstream-reg-tma",
                                   "upstream-q2-q4", "upstream-", "upstreamtma", "jit-x", "jit--q4", "torch"])
 def test_bad_provider_names_are_refused(name):
     with pytest.raises(ValueError):
-        benchmark.check_provider(name)
+        providers.check_provider(name)
 
 
 def test_a_bad_provider_name_ends_the_run_before_it_starts(capsys):
-    code = benchmark.run_parsed(benchmark.parse_args(["--providers", "jit", "upstream-tmq"]))
+    code = command.run_parsed(command.parse_args(["--providers", "jit", "upstream-tmq"]))
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: [bad_setting] bad provider 'upstream-tmq'")
 
@@ -42,16 +43,16 @@ def test_a_bad_provider_name_ends_the_run_before_it_starts(capsys):
 @pytest.mark.parametrize("importable", [True, False])
 def test_default_providers_have_upstream_only_when_sglang_imports(monkeypatch, importable):
     monkeypatch.setattr(bench_upstream, "importable", lambda: importable)
-    names = benchmark._providers(benchmark.parse_args(["--quotas", "4"]))
-    upstream = [n for n in names if benchmark.family(n) == "upstream"]
+    names = providers._providers(command.parse_args(["--quotas", "4"]))
+    upstream = [n for n in names if providers.family(n) == "upstream"]
     assert upstream == (["upstream", "upstream-reg", "upstream-tma"] if importable else [])
     assert names[0] == "ceiling" and names[-2:] == ["torch-index", "per-page"]
-    explicit = benchmark._providers(benchmark.parse_args(["--providers", "upstream-tma-q8", "jit"]))
+    explicit = providers._providers(command.parse_args(["--providers", "upstream-tma-q8", "jit"]))
     assert explicit == ["ceiling", "upstream-tma-q8", "jit"]
 
 
 def test_families():
-    assert [benchmark.family(n) for n in ("ceiling", "jit-bulk-q4", "upstream-reg", "torch-index", "per-page")] \
+    assert [providers.family(n) for n in ("ceiling", "jit-bulk-q4", "upstream-reg", "torch-index", "per-page")] \
         == ["ceiling", "ours", "upstream", "baseline", "baseline"]
 
 
@@ -62,7 +63,7 @@ def _no_sglang(monkeypatch):
 def test_without_sglang_build_call_says_why_before_touching_the_gpu(monkeypatch):
     _no_sglang(monkeypatch)
     with pytest.raises(Unavailable, match="not importable: ModuleNotFoundError"):
-        benchmark.build_call("upstream-tma", None, "one", "h2d", 3, None, None, 64, {})
+        providers.build_call("upstream-tma", None, "one", "h2d", 3, None, None, 64, {})
 
 
 def test_a_replaced_sglang_function_is_not_measured_as_upstream(monkeypatch):
@@ -82,23 +83,23 @@ def _own(name):
 
 def test_an_unavailable_provider_is_skipped_with_one_line_and_the_run_goes_on(monkeypatch, capsys):
     _no_sglang(monkeypatch)
-    real_build = benchmark.build_call
-    monkeypatch.setattr(benchmark, "build_call", lambda provider, *a: real_build(provider, *a)
+    real_build = providers.build_call
+    monkeypatch.setattr(providers, "build_call", lambda provider, *a: real_build(provider, *a)
                         if provider.startswith("upstream") else (lambda: None))
-    monkeypatch.setattr(benchmark, "make_pools", lambda w, h, d, layout: benchmark.Pools(1, 576, [], [], h, d, layout))
-    monkeypatch.setattr(benchmark, "make_indices", lambda *a, **k: (None, None))
-    monkeypatch.setattr(benchmark, "time_call", lambda fn: [1e-3, 2e-3, 3e-3])
+    monkeypatch.setattr(modes, "make_pools", lambda w, h, d, layout: workloads.Pools(1, 576, [], [], h, d, layout))
+    monkeypatch.setattr(modes, "make_indices", lambda *a, **k: (None, None))
+    monkeypatch.setattr(modes, "time_call", lambda fn: [1e-3, 2e-3, 3e-3])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    args = benchmark.parse_args(["-q", "--workloads", "mla-fp8", "--scopes", "one", "all", "--page-sizes", "64",
+    args = command.parse_args(["-q", "--workloads", "mla-fp8", "--scopes", "one", "all", "--page-sizes", "64",
                                  "--tokens", "1024", "--providers", "jit", "upstream-tma"])
-    records = benchmark.run(args)
+    records = modes.run(args)
     out = capsys.readouterr().out
     assert out.count("skipped upstream-tma: SGLang's HiCache kernels") == 1, out
     assert len(out.splitlines()) == 1
     assert [r["provider"] for r in records] == ["ceiling", "jit"] * 4  # 2 scopes x 2 directions
     assert {r["family"] for r in records} == {"ceiling", "ours"}
-    assert benchmark.summarize(records)[0]["upstream"] is None
+    assert report.summarize(records)[0]["upstream"] is None
 
 
 class FakeSGLang:
@@ -138,7 +139,7 @@ def _pools(caches, row_bytes, host_slots=64, device_slots=32):
     host = [torch.zeros((host_slots, LAYERS, row_bytes), dtype=torch.uint8) for _ in range(caches)]
     device = [[torch.zeros((device_slots, row_bytes), dtype=torch.uint8) for _ in range(LAYERS)]
               for _ in range(caches)]
-    return benchmark.Pools(caches, row_bytes, host, device, host_slots, device_slots)
+    return workloads.Pools(caches, row_bytes, host, device, host_slots, device_slots)
 
 
 def _build(up, provider, pools, scope="one", to_device=True, page_size=64):
@@ -232,7 +233,7 @@ def test_a_provider_whose_first_call_fails_is_skipped():
 
 def _record(provider, ratio, page_size=64, tokens=1024, workload="mla-bf16", kernel=None, **extra):
     return dict(workload=workload, scope="one", direction="h2d", page_size=page_size, tokens=tokens,
-                provider=provider, family=benchmark.family(provider), kernel=kernel, gbps=50.0 * ratio,
+                provider=provider, family=providers.family(provider), kernel=kernel, gbps=50.0 * ratio,
                 ratio=ratio, **extra)
 
 
@@ -246,14 +247,14 @@ RECORDS = [
 
 
 def test_summary_puts_the_best_of_ours_beside_the_best_of_upstream_per_cell():
-    rows = benchmark.summarize(RECORDS)
+    rows = report.summarize(RECORDS)
     assert [(r["page_size"], r["ours"], r["upstream"]) for r in rows] == [(64, "jit-q8", "upstream-tma"),
                                                                          (1, "jit", None)]
     first = rows[0]
     assert first["ours_ratio"] == 0.9 and first["upstream_ratio"] == 0.6 and first["upstream_kernel"] == "tma"
     assert first["quotient"] == pytest.approx(1.5) and first["ceiling_gbps"] == 50.0
     assert rows[1]["quotient"] is None and rows[1]["upstream_ratio"] is None
-    lines = benchmark.summary_lines(rows)
+    lines = report.summary_lines(rows)
     assert lines[0].startswith("ours vs upstream") and "ours/upstream" in lines[1]
     assert lines[2].split()[-5:] == ["jit-q8", "0.90", "upstream-tma", "0.60", "1.50"]
     assert lines[3].split()[-4:] == ["jit", "0.70", "-", "-"]
@@ -294,9 +295,9 @@ def test_an_interrupted_bench_writes_what_it_measured(tmp_path, monkeypatch):
         raise AssertionError("SIGTERM did not stop the run")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(benchmark.MODES, "overhead", measure_then_stop)
+    monkeypatch.setitem(modes.MODES, "overhead", measure_then_stop)
     out = tmp_path / "partial.json"
     previous = signal.getsignal(signal.SIGTERM)
-    assert benchmark.run_parsed(benchmark.parse_args(["--mode", "overhead", "--json", str(out)])) == 130
+    assert command.run_parsed(command.parse_args(["--mode", "overhead", "--json", str(out)])) == 130
     assert json.loads(out.read_text())["records"] == [dict(workload="mla-bf16", provider="jit", gbps=1.0)]
     assert signal.getsignal(signal.SIGTERM) is previous

@@ -4,7 +4,8 @@ one, without SGLang, or where SGLang's kernel does not take the rows: the benchm
 import pytest
 import torch
 
-from sglang_hicache_jit.bench import upstream as bench_upstream, benchmark
+from sglang_hicache_jit.bench import upstream as bench_upstream
+from sglang_hicache_jit.bench import providers, workloads
 from sglang_hicache_jit.bench.upstream import Unavailable
 
 pytestmark = pytest.mark.gpu
@@ -14,7 +15,7 @@ LAYER, TOKENS, PAGE = 3, 512, 64
 
 @pytest.fixture(scope="module", params=["mla-bf16", "mla-fp8", "mha-small"])
 def pools(request):
-    return benchmark.make_pools(request.param, 4096, 2048)
+    return workloads.make_pools(request.param, 4096, 2048)
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
@@ -23,12 +24,12 @@ def pools(request):
 def test_upstream_provider_copies_the_addressed_rows(pools, provider, scope, direction):
     if not bench_upstream.importable():
         pytest.skip("SGLang is not importable")
-    host_idx, dev_idx = benchmark.make_indices(TOKENS, PAGE, pools.host_slots, pools.device_slots, seed=7)
+    host_idx, dev_idx = workloads.make_indices(TOKENS, PAGE, pools.host_slots, pools.device_slots, seed=7)
     try:
-        call = benchmark.build_call(provider, pools, scope, direction, LAYER, host_idx, dev_idx, PAGE, {})
+        call = providers.build_call(provider, pools, scope, direction, LAYER, host_idx, dev_idx, PAGE, {})
     except Unavailable as exc:
         pytest.skip(str(exc))
-    layers = range(benchmark.LAYERS) if scope == "all" else [LAYER]
+    layers = range(workloads.LAYERS) if scope == "all" else [LAYER]
     dev_cuda, expected = dev_idx.cuda(), {}
     for cache in range(pools.caches):  # fresh source rows, zeroed destination rows
         for layer in layers:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sglang_hicache_jit import ops, settings
-from sglang_hicache_jit.bench import benchmark
+from sglang_hicache_jit.bench import providers
 from sglang_hicache_jit.errors import BadSettingError
 from sglang_hicache_jit.transfer import abi, checks, launcher
 
@@ -63,14 +63,14 @@ def test_stop_resident_without_a_queue_is_a_no_op():
     ("jit-resident-plain", ("resident-plain", None, {})),
 ])
 def test_resident_providers_parse(name, parsed):
-    assert benchmark._parse_jit_provider(name) == parsed
-    benchmark.check_provider(name)
+    assert providers._parse_jit_provider(name) == parsed
+    providers.check_provider(name)
 
 
 def test_direct_provider_is_known():
-    benchmark.check_provider("direct")
+    providers.check_provider("direct")
     with pytest.raises(ValueError, match="direct"):  # the list of known providers names it
-        benchmark.check_provider("indirect")
+        providers.check_provider("indirect")
 
 
 def test_device_arguments_take_ints_and_torch_devices():

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from sglang_hicache_jit import ops  # noqa: E402
 from sglang_hicache_jit.transfer import direct  # noqa: E402
-from sglang_hicache_jit.bench.benchmark import _fill_random, make_indices  # noqa: E402
+from sglang_hicache_jit.bench.workloads import _fill_random, make_indices  # noqa: E402
 from sglang_hicache_jit.host_pool import MLADevicePool, MLAHostKVPool, choose_io_backend  # noqa: E402
 from sglang_hicache_jit.probe import probe  # noqa: E402
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sglang_hicache_jit.bench.benchmark import summarize  # noqa: E402  (no torch import)
+from sglang_hicache_jit.bench.report import summarize  # noqa: E402  (no torch import)
 
 
 def table(records, providers=None) -> str:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from sglang_hicache_jit.bench.benchmark import _fill_random, make_indices  # noqa: E402
+from sglang_hicache_jit.bench.workloads import _fill_random, make_indices  # noqa: E402
 
 LAYERS, DIM, PAGE = 8, 576, 64
 
