@@ -1,5 +1,8 @@
 """The ``sglang-hicache-jit`` command (also ``python -m sglang_hicache_jit``).
 
+Why one long module: one short function per subcommand plus the parser that names them all; each
+command imports its work lazily, so --help stays fast.
+
 Arguments are parsed before anything heavy is imported (torch takes seconds),
 so ``--help`` and bad arguments answer at once. Every ``--json`` output is one
 JSON object with ``"schema": 1`` and the same keys whatever happened;

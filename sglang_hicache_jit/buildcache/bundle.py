@@ -1,5 +1,9 @@
 """Bundles: verified cache entries in one .tar.gz, to build once and ship.
 
+Why one long module: export and import are one archive format, and import's checks (headers,
+members, manifests, checksums) are read best in the order they run, to see that nothing is written
+before all of them pass.
+
 A bundle is a gzip'd tar with sorted members, zero times and owners, and no
 time or host of its own (an export is a pure function of the entries: the
 same entries give the same bytes, so a bundle's sha256 can be pinned)::

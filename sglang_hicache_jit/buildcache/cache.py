@@ -1,5 +1,9 @@
 """The build cache on disk: lookup, verification, atomic publication, failures.
 
+Why one long module: the on-disk format is one contract: the layout's names, manifests, verification
+and atomic publication share the naming rules and trust checks, and whoever audits what a load may
+trust reads them together (removal is in prune.py).
+
 Layout (``<root>`` is $SGLANG_HICACHE_JIT_CACHE_DIR, else platformdirs'
 user cache directory for "sglang-hicache-jit")::
 

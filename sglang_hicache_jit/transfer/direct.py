@@ -1,5 +1,9 @@
 """The direct path: row copies done by the GPU's copy engines, no kernels, no JIT.
 
+Why one long module: it is one path from index lists to copies: steps 1-3 below are pure functions,
+step 4 the ctypes bindings they feed (structs, cudart and libcuda look-up), and the plan's types are
+shared by both halves; nothing else uses the bindings.
+
 Every transfer is a list of ``(dst, src)`` row tensors (one pair per layer and
 cache) plus one pair of index lists shared by all of them, as in ops.py:
 row ``src[indices_src[i]]`` goes to ``dst[indices_dst[i]]``; a negative index

@@ -1,5 +1,8 @@
 """Host-memory KV pools for SGLang's HiCache: every layout x IO backend x operation.
 
+Why one long module: one class (HostKVPool) carries SGLang's host-pool API; its methods are the
+matrix of layouts x IO backends x operations and share the pool's buffers and views.
+
 ``MLAHostKVPool`` and ``MHAHostKVPool`` keep the method names and argument
 order of SGLang's ``MLATokenToKVPoolHost`` / ``MHATokenToKVPoolHost``
 (``backup_from_device_all_layer``, ``load_to_device_per_layer``, ``alloc``,

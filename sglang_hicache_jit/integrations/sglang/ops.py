@@ -1,5 +1,9 @@
 """The transfer functions SGLang's host pools call once the plugin is active.
 
+Why one long module: each function mirrors one upstream signature under the name SGLang imports it
+by, routed to the kernel or the copy engines by the same few helpers; matching.py checks them per
+release against this one list.
+
 Two families, each under the name SGLang imports it by, taking every call
 the upstream signature takes in the releases the plugin supports (parameter
 names, kinds, order and defaults; ``matching.py`` checks this per release):
