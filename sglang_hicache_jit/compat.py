@@ -1,4 +1,5 @@
-"""Alias: ``sglang_hicache_jit.compat`` is ``sglang_hicache_jit.integrations.compat`` (the name users import; docs/layout.md)."""
+"""Alias: ``sglang_hicache_jit.compat`` is ``sglang_hicache_jit.integrations.compat``, kept for users
+(docs/layout.md)."""
 
 import sys
 

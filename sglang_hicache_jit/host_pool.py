@@ -1,4 +1,5 @@
-"""Alias: ``sglang_hicache_jit.host_pool`` is ``sglang_hicache_jit.transfer.host_pool`` (the name users import; docs/layout.md)."""
+"""Alias: ``sglang_hicache_jit.host_pool`` is ``sglang_hicache_jit.transfer.host_pool``, kept for users
+(docs/layout.md)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""Alias: ``sglang_hicache_jit.ops`` is ``sglang_hicache_jit.transfer.ops`` (the name users import; docs/layout.md)."""
+"""Alias: ``sglang_hicache_jit.ops`` is ``sglang_hicache_jit.transfer.ops``, kept for users (docs/layout.md)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""Alias: ``sglang_hicache_jit.probe`` is ``sglang_hicache_jit.transfer.probe`` (the name users import; docs/layout.md)."""
+"""Alias: ``sglang_hicache_jit.probe`` is ``sglang_hicache_jit.transfer.probe``, kept for users (docs/layout.md)."""
 
 import sys
 

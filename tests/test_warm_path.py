@@ -22,7 +22,8 @@ from sglang_hicache_jit.buildcache.toolchain import find_toolkit
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_ONLY = ("filelock", "platformdirs", "torch.utils.cpp_extension", "sglang_hicache_jit.buildcache.build",
-              "sglang_hicache_jit.buildcache.prune", "sglang_hicache_jit.buildcache.remote", "sglang_hicache_jit.buildcache.bundle")
+              "sglang_hicache_jit.buildcache.prune", "sglang_hicache_jit.buildcache.remote",
+              "sglang_hicache_jit.buildcache.bundle")
 
 # argv[1]: 'fake' replaces the dlopen (the fake library is random bytes), 'real' loads for real.
 WARM_LOAD = f"""
