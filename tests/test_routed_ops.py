@@ -75,7 +75,7 @@ def _direct_case(padded: bool):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["whole-pages", "padded"])
 def test_direct_ops_move_the_right_rows_planned_per_page_when_they_can(padded, monkeypatch):
-    from sglang_hicache_jit import direct
+    from sglang_hicache_jit.transfer import direct
 
     per_row = []
     find_runs = direct.find_runs
