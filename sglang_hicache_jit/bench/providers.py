@@ -116,7 +116,8 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
         copy_pairs = direct.Pairs([(dev, host) if to_device else (host, dev) for host, dev in pairs])
         dst_idx, src_idx = (dev_idx, host_idx) if to_device else (host_idx, dev_idx)
         mode = DIRECT_PROVIDERS[provider]
-        return lambda: direct.copy_rows(copy_pairs, dst_idx, src_idx, mode=mode)
+        # page_size: whole pages are planned one entry per page, as the host pools and the plugin plan them.
+        return lambda: direct.copy_rows(copy_pairs, dst_idx, src_idx, mode=mode, page_size=page_size)
     if provider == "torch-index":
         if to_device:
             def call():
