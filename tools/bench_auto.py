@@ -36,18 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from bench_pool import Ceiling, fill_random, make_matmul, time_call, under_load  # noqa: E402
+from sglang_hicache_jit.bench.workloads import make_indices  # noqa: E402
 from sglang_hicache_jit.host_pool import MLADevicePool, MLAHostKVPool  # noqa: E402
 
 DIM, LAYERS = 576, 8
-
-
-def make_indices(tokens: int, page: int, host_slots: int, device_slots: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    pages = tokens // page
-    host_pages = torch.randperm(host_slots // page, generator=gen)[:pages].sort().values
-    dev_pages = torch.randperm(device_slots // page, generator=gen)[:pages]
-    offsets = torch.arange(page)
-    return ((host_pages[:, None] * page + offsets).reshape(-1), (dev_pages[:, None] * page + offsets).reshape(-1))
 
 
 def host_rows(pool, host_idx: torch.Tensor, layer: int) -> torch.Tensor:
