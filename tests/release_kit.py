@@ -57,6 +57,35 @@ def kernel_record(version: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+# What a newcomer installs to run the SGLang tests (README, docs/sglang.md).
+SGLANG_EXTRA_HINT = 'pip install -e ".[test,sglang]"'
+
+
+def missing_sglang_extra() -> list:
+    """The distributions of this package's ``sglang`` extra that are not installed (the release tests import
+    SGLang's pools, which need them). Read from the installed metadata, else from the checkout's pyproject."""
+    import re
+    from importlib.metadata import PackageNotFoundError, distribution, requires
+
+    try:
+        wanted = [r for r in requires("sglang-hicache-jit") or () if re.search(r"extra\s*==\s*.sglang.", r)]
+    except PackageNotFoundError:
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10 from a bare checkout: nothing to read the list from
+            return []
+        wanted = tomllib.loads((HERE.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+            "sglang"]
+    missing = []
+    for requirement in wanted:
+        name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0)
+        try:
+            distribution(name)
+        except PackageNotFoundError:
+            missing.append(name)
+    return missing
+
+
 # ---------------------------------------------------------------------------
 # Release code.
 

@@ -31,7 +31,7 @@ def _sglang_or_skip():
     except Exception as exc:  # ImportError, or a missing dependency of sglang's import chain
         if os.environ.get("SGLANG_HICACHE_JIT_REQUIRE_SGLANG") == "1":
             pytest.fail(f"sglang is required here (SGLANG_HICACHE_JIT_REQUIRE_SGLANG=1) but does not import: {exc}")
-        pytest.skip(f"sglang 0.5.23 is not importable: {exc}")
+        pytest.skip(f"needs sglang (pip install -e \".[test,sglang]\" && pip install --no-deps sglang==0.5.23): {exc}")
     return upstream
 
 

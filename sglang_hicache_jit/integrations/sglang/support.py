@@ -75,7 +75,10 @@ def describe() -> dict:
     described = {"sglang": sglang_version, "entry_point": name, "switch": switch, "error": switch_error,
                  "sglang_plugins": sorted(whitelist) if whitelist is not None else None,
                  "loads_plugins": loads_plugins, "release": row, "active": False}
-    if not name:
+    # A bad switch is the user's own first problem, so it is reported before anything about the install.
+    if switch_error:
+        line = f"not active, SGLang runs unchanged: {switch_error}"
+    elif not name:
         line = "not registered (install the package with pip; PYTHONPATH alone registers no entry point)"
     elif not sglang_version:
         line = f"registered as {name!r}; SGLang is not installed here"
@@ -83,8 +86,6 @@ def describe() -> dict:
         line = (f"inactive: SGLang {sglang_version} cannot load plugins (sglang.srt.plugins arrived in "
                 f"{FIRST_WITH_PLUGINS}), so its host pools keep their own kernels; upgrade SGLang to "
                 f"{FIRST_WITH_PLUGINS} or later (0.5.16+ for the layer-sharded pools this package fixes)")
-    elif switch_error:
-        line = f"not active, SGLang runs unchanged: {switch_error}"
     elif not switch:
         line = f"off ({settings.SGLANG_PLUGIN}=0); SGLang {sglang_version} runs unchanged"
     elif whitelist is not None and name not in whitelist:
