@@ -30,6 +30,7 @@ SGLANG_PLUGIN = "SGLANG_HICACHE_JIT_SGLANG_PLUGIN"
 RESIDENT_BLOCKS = "SGLANG_HICACHE_JIT_RESIDENT_BLOCKS"
 RESIDENT_IDLE_US = "SGLANG_HICACHE_JIT_RESIDENT_IDLE_US"
 LINEINFO = "SGLANG_HICACHE_JIT_LINEINFO"
+STAGING = "SGLANG_HICACHE_JIT_STAGING"
 # SGLang's own setting (read by sgl-kernel 0.4.7+), which the routed MLA per-layer ops honour the same way.
 SGLANG_BLOCK_QUOTA = "SGLANG_HICACHE_BLOCK_QUOTA"
 
@@ -197,6 +198,22 @@ def resident_idle_us() -> int:
     return _whole_number(RESIDENT_IDLE_US, 2000, 0, 60_000_000)
 
 
+# What a page_first pool's device staging area may take (both of its buffers): 128 MiB keeps a chunk's copy
+# (about 1.2 ms at the link's rate) long beside the gather that fills the other buffer.
+DEFAULT_STAGING_BYTES = 128 << 20
+
+
+def staging_bytes() -> int:
+    """GPU memory a page_first host pool may use to stage backups (0: no staging, strided copies instead)."""
+    value = os.environ.get(STAGING, "").strip()
+    if not value:
+        return DEFAULT_STAGING_BYTES
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise BadSettingError(f"{STAGING}: {exc}.", f"correct or unset {STAGING} (0 turns staging off).") from None
+
+
 def positive_number(name: str, value: str) -> float:
     """A finite number above zero (nan, inf, 0 and negatives are refused: each one
     would mean 'wait forever' or 'never', never what was meant)."""
@@ -327,6 +344,7 @@ _DESCRIBED = (
     (METHOD, method, "auto"),
     (RESIDENT_BLOCKS, resident_blocks, "4 CTAs"),
     (RESIDENT_IDLE_US, resident_idle_us, "2000 us"),
+    (STAGING, staging_bytes, "128 MiB per page_first pool on the GPU"),
     (LOCK_TIMEOUT, lock_timeout, "3600 s"),
     (BUILD_JOBS, build_jobs, "ninja's choice (CPUs + 2)"),
     (PREBUILT_DIRS, prebuilt_dirs, "no prebuilt layers"),

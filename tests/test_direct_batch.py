@@ -84,9 +84,10 @@ def test_flat_copies_go_to_the_driver_and_strided_ones_to_the_3d_call():
     strided = (direct.Rows.at(1 << 42, row, row, 0), direct.Rows.at(1 << 43, 8 * row, row, 0))
     pairs = direct.Pairs([packed, strided])
     runs = direct.find_runs(torch.tensor([0, 1, 2, 10, 11]), torch.tensor([64, 65, 66, 128, 129]))
-    words = direct.describe_copies(pairs, runs)
+    plan = direct.CopyPlan(pairs, runs)
+    words = plan.words
     driver, runtime = direct.DriverBatch(FakeDriver(13000, True)), FakeRuntime()
-    direct._batch_on(runtime, driver, words, pairs.packed.repeat_interleave(len(runs)), FakeStream(), 0)
+    direct._batch_on(runtime, driver, plan.descriptors(pairs, flat_apart=True), FakeStream(), 0)
     call, = driver.lib.calls
     assert call["dst"] == [(1 << 40) + 0 * row, (1 << 40) + 10 * row]
     assert call["src"] == [(1 << 41) + 64 * row, (1 << 41) + 128 * row]
@@ -97,7 +98,86 @@ def test_flat_copies_go_to_the_driver_and_strided_ones_to_the_3d_call():
 
 def test_without_the_driver_every_copy_goes_to_the_3d_call():
     pairs = direct.Pairs([(direct.Rows.at(1 << 40, 64, 64, 0), direct.Rows.at(1 << 41, 64, 64, 0))])
-    words = direct.describe_copies(pairs, direct.find_runs(torch.arange(4), torch.arange(4)))
+    plan = direct.CopyPlan(pairs, direct.find_runs(torch.arange(4), torch.arange(4)))
+    words = plan.words
     runtime = FakeRuntime()
-    direct._batch_on(runtime, None, words, None, FakeStream(), 0)
+    direct._batch_on(runtime, None, plan.descriptors(pairs, flat_apart=False), FakeStream(), 0)
     assert torch.equal(runtime.batches[0][0], words)
+
+
+# ---------------------------------------------------------------------------
+# Plans made once and rebased: what a load's later layers submit.
+
+def _fake_pairs(dst_base, src_base, strided=False):
+    row = 1152
+    packed = (direct.Rows.at(dst_base, row, row, 0, rows=4096), direct.Rows.at(src_base, row, row, 0, rows=4096))
+    pairs = [packed]
+    if strided:
+        pairs.append((direct.Rows.at(dst_base + (1 << 36), row, row, 0, rows=4096),
+                      direct.Rows.at(src_base + (1 << 36), 8 * row, row, 0, rows=4096)))
+    return direct.Pairs(pairs)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["packed", "packed+strided"])
+def test_a_plan_rebased_to_other_layers_equals_a_fresh_plan(strided):
+    runs = direct.find_runs(torch.tensor([0, 1, 2, 10, 11, 40]), torch.tensor([64, 65, 66, 128, 129, 7]))
+    first = _fake_pairs(1 << 40, 1 << 41, strided)
+    plan = direct.CopyPlan(first, runs)
+    for dst_base, src_base in ((1 << 40, 1 << 41), (3 << 40, 5 << 41), ((1 << 40) - 4096, 1 << 42)):
+        other = _fake_pairs(dst_base, src_base, strided)
+        fresh = direct.CopyPlan(other, runs)
+        assert torch.equal(plan.descriptors(other, flat_apart=False)[3], fresh.words)
+        got, want = plan.descriptors(other, flat_apart=True), fresh.descriptors(other, flat_apart=True)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    # The plan itself is unchanged by rebasing (later layers must not see earlier shifts).
+    assert torch.equal(plan.words, direct.CopyPlan(first, runs).words)
+
+
+def test_a_plan_refuses_pairs_of_another_geometry():
+    runs = direct.find_runs(torch.arange(4), torch.arange(4))
+    plan = direct.CopyPlan(_fake_pairs(1 << 40, 1 << 41), runs)
+    assert not plan.fits(_fake_pairs(1 << 40, 1 << 41, strided=True))
+    with pytest.raises(ValueError, match="pairs differ"):
+        plan.run(_fake_pairs(1 << 40, 1 << 41, strided=True))
+
+
+def test_the_plan_cache_keys_on_identity_and_version():
+    cache, made = direct.PlanCache(capacity=2), []
+    make = lambda: made.append(1) or len(made)  # noqa: E731
+    a, b = torch.arange(8), torch.arange(8)
+    assert cache.get((a, b), "x", make) == 1
+    assert cache.get((a, b), "x", make) == 1          # the same tensors, unchanged: reused
+    assert cache.get((a, b), "y", make) == 2          # another transfer on the same indices
+    a.add_(0)                                         # written in place: its version moves on
+    assert cache.get((a, b), "x", make) == 3
+    assert cache.get((b.clone(), b), "x", make) == 4  # equal values in another tensor: planned again
+    assert len(cache._entries) == 2                   # bounded
+
+
+def test_a_pool_plans_a_load_once_for_all_its_layers(monkeypatch):
+    from test_host_pool import as_bytes, fill_random, get_host_rows, make_device_pool, make_host_pool
+
+    gen = torch.Generator().manual_seed(7)
+    dp = make_device_pool("mla", 1152, gen)
+    pool = make_host_pool(dp, page_size=16, layout="page_first_direct")
+    fill_random(pool.kv_buffer, gen)
+    calls = []
+    plan_direct = pool._plan_direct
+    monkeypatch.setattr(pool, "_plan_direct", lambda *a: calls.append(1) or plan_direct(*a))
+    host, dev = pool.alloc(64), torch.arange(64, 128)
+
+    def check(layers):
+        for layer in layers:
+            want = get_host_rows(as_bytes(pool.kv_buffer), "page_first_direct", 16, layer, host)
+            assert torch.equal(as_bytes(dp.kv_buffer[layer])[dev], want), f"layer {layer}"
+
+    layers = range(len(dp.kv_buffer))
+    for layer in layers:
+        pool.load_to_device_per_layer(dp, host, dev, layer, "direct")
+    assert len(calls) == 1
+    check(layers)  # every layer got its own rows from the one plan
+    dev.add_(1)    # the caller rewrote its indices in place: the next load plans again
+    pool.load_to_device_per_layer(dp, host, dev, 0, "direct")
+    assert len(calls) == 2
+    check([0])

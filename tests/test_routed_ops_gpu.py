@@ -208,3 +208,51 @@ def test_kvcacheio_direct_page_first_direct():
     torch.cuda.synchronize()
     old[load] = host[hp, 1].reshape(-1, 1, dim).cuda()
     assert same(dev[1], old)
+
+
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+@pytest.mark.parametrize("budget", ["3-pages", "default"])
+def test_kvcacheio_all_layer_lf_pf_with_cpu_indices_is_staged(path, kind, budget, monkeypatch):
+    """SGLang's copy-engine backend hands CPU indices: page_first backups go through the staging area (a
+    kernel gather, then flat page copies), in chunks when the budget is small; bit-exact either way."""
+    heads, dim = (1, 288) if kind == "mla" else (2, 64)
+    row = heads * dim * 2
+    if budget != "default":
+        monkeypatch.setenv("SGLANG_HICACHE_JIT_STAGING", str(2 * 3 * PAGE * LAYERS * row * (1 if kind == "mla" else 2)))
+    sglang_ops.reset()
+    hosts = [rand((HOST_PAGES * PAGE, LAYERS, heads, dim), pin=True) for _ in range(1 if kind == "mla" else 2)]
+    devs = [[rand((DEV_PAGES * PAGE, heads, dim), device="cuda") for _ in range(LAYERS)] for _ in hosts]
+    h, d = tokens(pick(9, HOST_PAGES, 31)), tokens(pick(9, DEV_PAGES, 32))
+    expected = [host.clone() for host in hosts]
+    if kind == "mla":
+        sglang_ops.transfer_kv_all_layer_mla_lf_pf(table(devs[0]), hosts[0], d, h, row, LAYERS * row, LAYERS)
+    else:
+        sglang_ops.transfer_kv_all_layer_lf_pf(table(devs[0]), hosts[0], table(devs[1]), hosts[1], d, h, row,
+                                               LAYERS * row, LAYERS)
+    torch.cuda.synchronize()
+    for host, want, layers in zip(hosts, expected, devs):
+        for layer in range(LAYERS):
+            want[h, layer] = layers[layer][d].cpu()
+        assert same(host, want)
+    areas = [entry[2] for entry in sglang_ops._stagings.values()]
+    assert areas and all(a is not None for a in areas), "the backup did not go through the staging area"
+    sglang_ops.reset()
+
+
+def test_a_per_layer_direct_load_is_planned_once_for_all_layers(monkeypatch):
+    dim = 288
+    host = rand((HOST_PAGES, LAYERS, PAGE, 1, dim), pin=True)
+    dev = [rand((DEV_PAGES * PAGE, 1, dim), device="cuda") for _ in range(LAYERS)]
+    hp = pick(6, HOST_PAGES, 41)
+    h, d = tokens(hp), tokens(pick(6, DEV_PAGES, 42)).cuda()
+    made = []
+    real = sglang_ops.direct.CopyPlan
+    monkeypatch.setattr(sglang_ops.direct, "CopyPlan", lambda *a: made.append(1) or real(*a))
+    expected = [t.clone() for t in dev]
+    for layer in range(LAYERS):
+        sglang_ops.transfer_kv_per_layer_direct_pf_lf([host], [dev[layer]], h, d, layer, PAGE)
+        expected[layer][d] = host[hp, layer].reshape(-1, 1, dim).cuda()
+    torch.cuda.synchronize()
+    assert len(made) == 1
+    for layer in range(LAYERS):
+        assert same(dev[layer], expected[layer]), f"layer {layer}"

@@ -154,6 +154,9 @@ class Pairs:
         self.row_bytes = torch.tensor([r.row_bytes for r in self.dst], dtype=torch.int64)
         # A pair whose slots are back to back on both sides copies a run as one flat block.
         self.packed = (self.dst_stride == self.row_bytes) & (self.src_stride == self.row_bytes)
+        # Everything a CopyPlan depends on but the base addresses: pairs of equal geometry share plans.
+        self.geometry = (tuple(self.dst_stride.tolist()), tuple(self.src_stride.tolist()),
+                         tuple(self.row_bytes.tolist()), self.dst_rows, self.src_rows, self.device, self.pageable)
 
     def __len__(self) -> int:
         return len(self.dst)
@@ -619,24 +622,140 @@ def _mapped(to_rows, slots: torch.Tensor) -> torch.Tensor:
 
 def copy_runs(pairs, runs: Runs, *, mode: str = "auto") -> str:
     """copy_rows for runs already planned: each run's rows, for every pair."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     pairs = pairs if isinstance(pairs, Pairs) else Pairs(pairs)
-    check_bounds(runs, pairs.dst_rows, pairs.src_rows)
-    if pairs.device is None:
-        _copy_on_cpu(pairs, runs)
-        return "torch"
-    return _copy_on_gpu(pairs, runs, mode)
+    return CopyPlan(pairs, runs).run(pairs, mode=mode)
 
 
-def _copy_on_cpu(pairs: Pairs, runs: Runs) -> None:
-    spans = runs.as_tuples()
+class CopyPlan:
+    """The copies of one transfer, planned once for every layer that shares its indices.
+
+    SGLang loads a request layer by layer with the same two index tensors, and
+    the layers of a pool differ only in their base addresses. So the runs, the
+    bounds check and the copy descriptors are made once, for the pairs of the
+    first call, and a later call on pairs of the same geometry (strides, row
+    sizes, row counts) only shifts the pointer columns by the bases' difference:
+    two tensor additions instead of a plan. Measured on the H200: the per-call
+    planning was what kept 16K-token loads of 64-token pages under half the
+    link beside compute (docs/BENCHMARKS.md).
+    """
+
+    __slots__ = ("runs", "spans", "geometry", "dst_ptr", "src_ptr", "words", "flat", "flat_dst", "flat_src",
+                 "flat_sizes", "rest", "n_runs")
+
+    def __init__(self, pairs: Pairs, runs: Runs):
+        check_bounds(runs, pairs.dst_rows, pairs.src_rows)
+        self.geometry = pairs.geometry
+        self.dst_ptr, self.src_ptr = pairs.dst_ptr, pairs.src_ptr
+        self.runs = runs
+        self.spans = None  # the CPU path's (dst, src, length) tuples, made on first use
+        if pairs.device is not None and len(runs) and bool(pairs.packed.any()):
+            runs = split_runs(runs, max(1, MAX_COPY_BYTES // int(pairs.row_bytes.max())))
+        self.n_runs = len(runs)
+        self.words = describe_copies(pairs, runs) if pairs.device is not None else None
+        self.flat = self.flat_dst = self.flat_src = self.flat_sizes = self.rest = None
+        if self.words is not None and bool(pairs.packed.any()):
+            self.flat = pairs.packed.repeat_interleave(self.n_runs)
+            flat_words = self.words[self.flat]
+            self.flat_dst = flat_words[:, _word("dst.ptr")].contiguous()
+            self.flat_src = flat_words[:, _word("src.ptr")].contiguous()
+            self.flat_sizes = flat_words[:, _word("extent.width")].contiguous()
+            self.rest = self.words[~self.flat].contiguous()
+
+    def fits(self, pairs: Pairs) -> bool:
+        """Whether this plan's copies are those of ``pairs`` up to their base addresses."""
+        return pairs.geometry == self.geometry
+
+    def run(self, pairs: Pairs, *, mode: str = "auto") -> str:
+        """Copies the planned rows of ``pairs`` (which must fit this plan); returns what ran (copy_rows)."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if not self.fits(pairs):
+            raise ValueError("pairs differ from the ones this copy plan was made for (strides, row sizes or row "
+                             "counts); plan the transfer for them")
+        if pairs.device is None:
+            if self.spans is None:
+                self.spans = self.runs.as_tuples()
+            _copy_on_cpu(pairs, self.spans)
+            return "torch"
+        return _copy_on_gpu(pairs, self, mode)
+
+    def _shift(self, pairs: Pairs):
+        """Per-copy address shifts from this plan's bases to ``pairs``' (None: the same bases)."""
+        d_dst, d_src = pairs.dst_ptr - self.dst_ptr, pairs.src_ptr - self.src_ptr
+        if not (bool(d_dst.any()) or bool(d_src.any())):
+            return None
+        if d_dst.numel() == 1:
+            return int(d_dst), int(d_src)
+        return d_dst.repeat_interleave(self.n_runs), d_src.repeat_interleave(self.n_runs)
+
+    def descriptors(self, pairs: Pairs, *, flat_apart: bool):
+        """``(flat_dst, flat_src, flat_sizes, words)`` for ``pairs``: the flat copies as address arrays for the
+        driver's call (None when ``flat_apart`` is false or none is flat) and the rest as descriptor rows."""
+        shift = self._shift(pairs)
+        if flat_apart and self.flat is not None:
+            flat_dst, flat_src, rest = self.flat_dst, self.flat_src, self.rest
+            if shift is not None:
+                d_dst, d_src = shift
+                if not isinstance(d_dst, int):
+                    d_dst, d_src, r_dst, r_src = d_dst[self.flat], d_src[self.flat], d_dst[~self.flat], d_src[~self.flat]
+                else:
+                    r_dst, r_src = d_dst, d_src
+                flat_dst, flat_src = flat_dst + d_dst, flat_src + d_src
+                if rest.shape[0]:
+                    rest = rest.clone()
+                    rest[:, _word("dst.ptr")] += r_dst
+                    rest[:, _word("src.ptr")] += r_src
+            return flat_dst, flat_src, self.flat_sizes, rest
+        words = self.words
+        if shift is not None:
+            words = words.clone()
+            words[:, _word("dst.ptr")] += shift[0]
+            words[:, _word("src.ptr")] += shift[1]
+        return None, None, None, words
+
+
+class PlanCache:
+    """The CopyPlans of the last few transfers, keyed on their index tensors.
+
+    A key holds each index tensor's identity and version counter (torch bumps
+    it on every in-place write), so a tensor changed in place, or a new tensor
+    at a reused address, plans again. The tensors themselves are kept with
+    their entry, so an id cannot be reused while it is cached. ``capacity``
+    bounds the memory: a plan of N runs costs about 112 B per run and pair.
+    Thread-safe: SGLang loads and backs up from different threads.
+    """
+
+    def __init__(self, capacity: int = 4):
+        self.capacity = capacity
+        self._entries: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, tensors: tuple, extra, make):
+        """The cached value for ``tensors`` (and the hashable ``extra``), else ``make()``'s, cached."""
+        key = (tuple((id(t), t._version) for t in tensors), extra)
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is not None and all(a is b for a, b in zip(entry[0], tensors)):
+            return entry[1]
+        value = make()
+        with self._lock:
+            if len(self._entries) >= self.capacity:
+                self._entries.pop(next(iter(self._entries)))  # the oldest
+            self._entries[key] = (tensors, value)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+def _copy_on_cpu(pairs: Pairs, spans: list) -> None:
     for dst, src in zip(pairs.dst, pairs.src):
         for d, s, n in spans:
             dst.tensor[d:d + n].copy_(src.tensor[s:s + n])
 
 
-def _copy_on_gpu(pairs: Pairs, runs: Runs, requested: str) -> str:
+def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str) -> str:
     global _batch_failure, _driver_failure
     runtime = cuda_runtime()
     device = pairs.device
@@ -654,19 +773,16 @@ def _copy_on_gpu(pairs: Pairs, runs: Runs, requested: str) -> str:
             mode = "2d"
         elif mode == "auto":
             mode = "batch" if runtime.has_batch and not _batch_failure and not pairs.pageable else "2d"
-        if not len(runs):
+        if not plan.n_runs:
             return mode
-        if bool(pairs.packed.any()):
-            runs = split_runs(runs, max(1, MAX_COPY_BYTES // int(pairs.row_bytes.max())))
-        words = describe_copies(pairs, runs)
         if mode == "2d":
-            runtime.memcpy_2d(words, stream.cuda_stream)
+            runtime.memcpy_2d(plan.descriptors(pairs, flat_apart=False)[3], stream.cuda_stream)
             return "2d"
         driver = driver_batch() if mode == "batch" else None
-        flat = pairs.packed.repeat_interleave(len(runs)) if driver is not None else None
+        copies = plan.descriptors(pairs, flat_apart=driver is not None)
         try:
             try:
-                _batch_on(runtime, driver, words, flat, stream, device)
+                _batch_on(runtime, driver, copies, stream, device)
             except DriverBatchError as exc:
                 if requested == "batch":
                     raise
@@ -674,20 +790,21 @@ def _copy_on_gpu(pairs: Pairs, runs: Runs, requested: str) -> str:
                 # The copies are idempotent, so redoing any the failed call did enqueue is safe.
                 _driver_failure = str(exc)
                 log.warning("%s; flat copies go through cudaMemcpy3DBatchAsync from now on", exc)
-                _batch_on(runtime, None, words, None, stream, device)
+                _batch_on(runtime, None, plan.descriptors(pairs, flat_apart=False), stream, device)
             return mode
         except RuntimeError as exc:
             if requested != "auto":
                 raise
             _batch_failure = str(exc)
             log.warning("%s; the direct path uses one cudaMemcpy2DAsync per run from now on", exc)
-            runtime.memcpy_2d(words, stream.cuda_stream)
+            runtime.memcpy_2d(plan.descriptors(pairs, flat_apart=False)[3], stream.cuda_stream)
             return "2d"
 
 
-def _batch_on(runtime: CudaRuntime, driver, words: torch.Tensor, flat, stream, device: int) -> None:
-    """The copies of one transfer, batched: those ``flat`` marks through the driver's call, the rest
-    through cudaMemcpy3DBatchAsync."""
+def _batch_on(runtime: CudaRuntime, driver, copies, stream, device: int) -> None:
+    """The copies of one transfer, batched: the flat ones (``CopyPlan.descriptors``) through the driver's
+    call, the rest through cudaMemcpy3DBatchAsync."""
+    flat_dst, flat_src, flat_sizes, words = copies
     # One batch on one stream: spreading it over several streams does not help
     # (measured: ~4.3 us of copy-engine time per 3-D copy whatever the stream count;
     # docs/host_pool.md).
@@ -700,11 +817,8 @@ def _batch_on(runtime: CudaRuntime, driver, words: torch.Tensor, flat, stream, d
             target = _null_stream_helpers[device] = torch.cuda.Stream(device)
         target.wait_stream(stream)
     try:
-        if flat is not None and bool(flat.any()):
-            flat_words = words[flat]
-            driver.copy(flat_words[:, _word("dst.ptr")].contiguous(), flat_words[:, _word("src.ptr")].contiguous(),
-                        flat_words[:, _word("extent.width")].contiguous(), target.cuda_stream)
-            words = words[~flat].contiguous()
+        if flat_dst is not None and flat_dst.numel():
+            driver.copy(flat_dst, flat_src, flat_sizes, target.cuda_stream)
         if words.shape[0]:
             runtime.memcpy_batch(words, target.cuda_stream)
     finally:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from . import direct
+from .. import settings
 from ..errors import TransferIndexError
 from .checks import check_dense, check_index_tensor
 from .slot_allocator import SlotAllocator
@@ -132,6 +133,7 @@ class _DeviceSide:
                      for c in range(len(caches))]  # [cache][owned layer - start]
         self._table = None                       # ops.LayerTable over owned layers, built on first kernel use
         self.pairs: dict = {}                    # direct.Pairs by ('load', host layer) or ('backup',)
+        self.staging = None                      # staging.PageStaging, False where none applies; see _staging
 
     def table(self):
         if self._table is None:
@@ -207,6 +209,8 @@ class HostKVPool:
         self._device_sides: dict[int, tuple[object, _DeviceSide]] = {}
         self._device_side(device_pool)               # validates the owned layers once
         self._host_table = None
+        self.staging_bytes = settings.staging_bytes()  # GPU memory page_first backups may stage through
+        self._plans = direct.PlanCache()  # direct-path plans of the last few transfers (a load's layers share one)
         self.direct_mode = "auto"      # how the direct path submits CUDA copies: direct.MODES
         self.last_direct_mode = None   # what the last direct transfer ran: 'batch', 'batch3d', '2d' or 'torch'
         self.transfer_path, self.transfer_path_reason = self._choose_path(first)
@@ -382,12 +386,37 @@ class HostKVPool:
             ops.transfer_all_layer(self._host_layer_table(), self.translate_host_indices(host_indices),
                                    side.table(), device_indices, method="resident" if path == "resident" else None)
             return
+        staging = self._staging(side)
+        if staging is not None and staging.backup(host_indices, device_indices):
+            self.last_direct_mode = "staged"
+            return
         pairs = side.pairs.get(("backup",))
         if pairs is None:
             pairs = side.pairs[("backup",)] = direct.Pairs(
                 [(self._host_rows[c][h], side.rows[c][h]) for h in range(self.layer_num)
                  for c in range(self.num_caches)])
         self._copy_direct(pairs, host_indices, device_indices, host_is_dst=True)
+
+    def _staging(self, side: _DeviceSide):
+        """The device staging area for page_first backups (staging.py), made on first use; None where it does
+        not apply: another layout, one layer (its rows are already contiguous), no GPU, or no budget."""
+        if side.staging is False:
+            return None
+        if side.staging is None:
+            side.staging = False
+            if (self.layout == "page_first" and self.layer_num > 1 and self.pin_memory
+                    and self.staging_bytes >= 2 * self.page_size * self.layer_num * self.row_bytes * self.num_caches):
+                # (a budget below two pages would copy a page in pieces: the row copies serve that as well)
+                from . import staging
+
+                start, end = self.owned_layers
+                layers = [cache[start:end] for cache in side.caches]
+                gather = (staging.kernel_gather(side.table()) if self.transfer_path == "kernel"
+                          else staging.torch_gather(layers))
+                side.staging = staging.PageStaging(self._cache_buffers(), budget_bytes=self.staging_bytes,
+                                                   device=layers[0][0].device, device_rows=layers[0][0].shape[0],
+                                                   gather=gather)
+        return side.staging or None
 
     def _host_layer_table(self):
         if self._host_table is None:
@@ -399,6 +428,14 @@ class HostKVPool:
         return self._host_table
 
     def _copy_direct(self, pairs: direct.Pairs, indices_dst, indices_src, *, host_is_dst: bool) -> None:
+        # SGLang's load loop passes the same two index tensors for every layer: the plan made for the first
+        # layer serves the rest (direct.CopyPlan), so the host sync for GPU indices and the planning happen
+        # once per load, not once per layer.
+        plan = self._plans.get((indices_dst, indices_src), (host_is_dst, pairs.geometry),
+                               lambda: self._plan_direct(pairs, indices_dst, indices_src, host_is_dst))
+        self.last_direct_mode = plan.run(pairs, mode=self.direct_mode)
+
+    def _plan_direct(self, pairs: direct.Pairs, indices_dst, indices_src, host_is_dst: bool) -> direct.CopyPlan:
         # GPU indices come back to the CPU here (a host sync): copies are issued from the host.
         host_indices = (indices_dst if host_is_dst else indices_src).to("cpu", torch.int64)
         device_indices = (indices_src if host_is_dst else indices_dst).to("cpu", torch.int64)
@@ -409,8 +446,8 @@ class HostKVPool:
         to_rows = self.translate_host_indices if self.layout == "page_first_direct" else None
         host_side, device_side = (host_indices, to_rows), (device_indices, None)
         (dst, dst_rows), (src, src_rows) = (host_side, device_side) if host_is_dst else (device_side, host_side)
-        self.last_direct_mode = direct.copy_rows(pairs, dst, src, mode=self.direct_mode, page_size=self.page_size,
-                                                 dst_rows=dst_rows, src_rows=src_rows)
+        runs = direct.plan_runs(dst, src, self.page_size, dst_rows=dst_rows, src_rows=src_rows)
+        return direct.CopyPlan(pairs, runs)
 
     # -- allocator (same semantics as upstream HostKVCache; see slot_allocator) --
     def clear(self) -> None:

@@ -69,6 +69,11 @@ def copy_engines_only():
 def kernel_available(element_size: int) -> bool:
     """Whether rows of ``element_size`` bytes go through the JIT kernel.
     Asked once per row size and process (``reset()`` forgets)."""
+    return _kernel_works(element_size) and not _copy_engines_only.get()
+
+
+def _kernel_works(element_size: int) -> bool:
+    """What the probe says for rows of ``element_size`` bytes, whatever the pool asked for."""
     ok = _kernel_ok.get(element_size)
     if ok is None:
         with _choice_lock:
@@ -77,13 +82,16 @@ def kernel_available(element_size: int) -> bool:
             if not ok:
                 log.warning("sglang-hicache-jit: rows of %s B use the copy-engine path: [%s] %s", element_size,
                             result.code, result.reason)
-    return ok and not _copy_engines_only.get()
+    return ok
 
 
 def reset() -> None:
     """Forgets the per-row-size choices (tests, or after a clean)."""
     _kernel_ok.clear()
     _table_values.clear()
+    _plans.clear()
+    with _stagings_lock:
+        _stagings.clear()
 
 
 def path_for(element_size: int) -> str:
@@ -116,8 +124,19 @@ def _raw_pairs(dst_table, src_table, dst_stride: int, src_stride: int, row_bytes
             for d, s in zip(_addresses(dst_table), _addresses(src_table))]
 
 
-def _copy(pairs, indices_dst, indices_src, **plan) -> None:
-    direct.copy_rows(pairs, indices_dst, indices_src, **plan)
+_plans = direct.PlanCache()  # the copy-engine plans of the last few transfers (a load's layers share one)
+
+
+def _copy(pairs, indices_dst, indices_src, *, page_size: int = 1, dst_rows=None, src_rows=None,
+          rows_key=None) -> None:
+    """direct.copy_rows, planned once for the layers of one load: SGLang's per-layer load loop passes the
+    same index tensors for every layer, and the layers' pairs differ only in their addresses (direct.CopyPlan).
+    ``rows_key`` names the ``dst_rows`` / ``src_rows`` maps (which are new functions on every call)."""
+    pairs = direct.Pairs(pairs)
+    plan = _plans.get((indices_dst, indices_src), (pairs.geometry, page_size, rows_key),
+                      lambda: direct.CopyPlan(pairs, direct.plan_runs(indices_dst, indices_src, page_size,
+                                                                       dst_rows=dst_rows, src_rows=src_rows)))
+    plan.run(pairs)
 
 
 def _view_rows(t: torch.Tensor, row_elems: int) -> torch.Tensor:
@@ -436,9 +455,50 @@ def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, 
                 item_size=item_size, block_quota=block_quota)
 
 
+_stagings: dict = {}  # staging.PageStaging per (host buffers, device pointer tables), for page_first backups
+_stagings_lock = threading.Lock()
+
+
+def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, item_size: int, layout_dim: int,
+                  num_layers: int) -> bool:
+    """A page_first backup through the device staging area (transfer/staging.py: a gather by the kernel, then
+    flat copies of whole pages on the copy engines), where it applies; False: the caller copies rows.
+
+    Only with both index tensors on the CPU, which is what SGLang hands the copy engines (io_backend
+    'direct'): staging must read the indices on the host, and for GPU indices (SGLang's 'kernel' backend)
+    that would be a host sync in SGLang's scheduler thread, which the kernel's own backup never makes. The
+    gather takes the kernel (a few microseconds of SMs) even under 'direct', where the probe allows."""
+    if (num_layers < 2 or layout_dim != num_layers * item_size or dst_indices.is_cuda or src_indices.is_cuda
+            or any(h.is_cuda or not h.is_contiguous() for h in hosts) or not _kernel_works(item_size)):
+        return False
+    budget = settings.staging_bytes()
+    key = tuple(h.data_ptr() for h in hosts) + tuple(t.data_ptr() for t in src_tables) + (item_size, num_layers)
+    with _stagings_lock:
+        entry = _stagings.get(key)
+        if entry is None or entry[0]() is not hosts[0] or entry[1] != budget:
+            from ...transfer import staging
+
+            if not hosts[0].is_pinned():
+                return False
+            try:
+                area = staging.PageStaging([h.view(h.shape[0], num_layers, -1) for h in hosts], budget_bytes=budget,
+                                           device=src_tables[0].device, device_rows=1 << 62,
+                                           gather=staging.pointer_table_gather(src_tables, item_size))
+            except ValueError:  # no budget for a token (SGLANG_HICACHE_JIT_STAGING=0 turns staging off)
+                area = None
+            if len(_stagings) >= 8:
+                _stagings.clear()
+            entry = _stagings[key] = (weakref.ref(hosts[0]), budget, area)
+    area = entry[2]
+    return area is not None and area.backup(dst_indices, src_indices)
+
+
 def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size,
                                 dst_layout_dim, num_layers, block_quota=None, num_warps_per_block=32):
     _check_layers(num_layers, src_k_layers, src_v_layers)
+    if _staged_lf_pf((dst_k, dst_v), (src_k_layers, src_v_layers), dst_indices, src_indices, item_size,
+                     dst_layout_dim, num_layers):
+        return
     device = src_k_layers.device
     tables = (compat.host_layer_table(dst_k, num_layers, item_size, device),
               compat.host_layer_table(dst_v, num_layers, item_size, device))
@@ -449,6 +509,8 @@ def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_in
 def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim,
                                     num_layers, block_quota=None, num_warps_per_block=32):
     _check_layers(num_layers, src_layers)
+    if _staged_lf_pf((dst,), (src_layers,), dst_indices, src_indices, item_size, dst_layout_dim, num_layers):
+        return
     table = compat.host_layer_table(dst, num_layers, item_size, src_layers.device)
     _all_layers((table,), (src_layers,), dst_indices, src_indices, dst_stride=dst_layout_dim, src_stride=item_size,
                 item_size=item_size, block_quota=block_quota)
@@ -543,7 +605,8 @@ def page_first_direct_rows(buffer: torch.Tensor, layer_id: int):
     (pages, layers, page_size, ...) buffer."""
     pages, layers, page_size = buffer.shape[0], buffer.shape[1], buffer.shape[2]
     flat = buffer.view(pages * layers * page_size, -1)
-    span = flat.shape[0] - layer_id * page_size
+    # From this layer's first row to its last: the same count for every layer, so one plan serves them all.
+    span = (pages - 1) * layers * page_size + page_size
     return (flat[layer_id * page_size:layer_id * page_size + span],
             lambda tokens: compat._token_rows(tokens, page_size, layers * page_size), page_size)
 
@@ -555,7 +618,8 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
     for host, dev in zip(src_ptrs, dst_ptrs):
         flat, to_rows, rows_per_page = page_first_direct_rows(host, layer_id)
         pairs.append((_rows_of(dev), flat))
-    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, src_rows=to_rows)
+    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, src_rows=to_rows,
+          rows_key=("page_first_direct", rows_per_page, src_ptrs[0].shape[1] if len(src_ptrs) else 0))
 
 
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
@@ -567,7 +631,8 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
         for layer in range(layers_per_buffer):
             flat, to_rows, rows_per_page = page_first_direct_rows(host, layer)
             pairs.append((flat, _rows_of(src_ptrs[b * layers_per_buffer + layer])))
-    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, dst_rows=to_rows)
+    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, dst_rows=to_rows,
+          rows_key=("page_first_direct", rows_per_page, dst_ptrs[0].shape[1] if len(dst_ptrs) else 0))
 
 
 KVCACHEIO_OPS = (

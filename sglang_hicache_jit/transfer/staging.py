@@ -1,0 +1,163 @@
+"""page_first backups through a device staging area: a gather on the GPU, then whole pages on the copy engines.
+
+In a ``page_first`` host buffer a page is one contiguous block across layers (``page_size`` tokens x
+``L`` layers x row bytes: 576 KiB for 64 tokens of 8 layers of 1152-B rows), but one layer's rows are
+strided by ``L`` rows. Copying them row by row costs either SMs (the kernel: +41-50% on a matmul beside
+it) or the copy engines' per-row overhead (2-D copies: a quarter of the link). So a backup here
+
+1. gathers the rows of every layer from the device into a staging buffer on the GPU, laid out exactly as
+   the host buffer (token-major, layers inside: HBM speed, microseconds of SM time, one launch for all
+   layers), on a side stream;
+2. copies each run of consecutive host slots (a page, or pages that follow each other) as one flat block
+   (``direct.CopyPlan``: the driver's batched call, link rate, no SMs) on the caller's stream.
+
+The staging area is two buffers of at most half of ``SGLANG_HICACHE_JIT_STAGING`` (default 128 MiB) each,
+so a large backup runs in chunks: the gather of chunk k+1 fills one buffer while the copies of chunk k
+drain the other. Ordering: the side stream first waits for the caller's stream (the gather sees what was
+written to the device cache before the call), every copy waits for its gather, and a buffer is gathered
+into again only after its copies are done; the caller's stream ends up behind all of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import direct
+from ..errors import TransferIndexError
+
+# Host slots must come in runs of at least this many tokens on average for staging to pay: each run is one
+# flat copy of run x layers x row bytes, and the copy engines' fixed cost per copy (0.3-0.8 us in a batch)
+# would otherwise dominate. HiCache moves whole pages (often 64 tokens), far above it.
+MIN_RUN = 16
+
+
+class PageStaging:
+    """The staging area of one page_first host buffer (per cache) and the device pool backed up into it.
+
+    ``gather(buffers, slots, device_indices)`` fills staging rows ``slots`` of ``buffers`` (one
+    ``(rows, L, *row)`` device tensor per cache) with device rows ``device_indices`` of every layer, on the
+    current stream: the JIT kernel in one launch where it runs, else torch indexing (see gatherers below).
+    """
+
+    def __init__(self, host_caches: list, *, budget_bytes: int, device, device_rows: int, gather):
+        first = host_caches[0]
+        self.layers = first.shape[1]
+        self.host_slots = first.shape[0]
+        self.device_rows = device_rows
+        self.device = torch.device(device)
+        self.gather = gather
+        token_elems = self.layers * math.prod(first.shape[2:])
+        token_bytes = token_elems * first.element_size() * len(host_caches)
+        self.chunk_slots = budget_bytes // (2 * token_bytes)
+        if self.chunk_slots < 1:
+            raise ValueError(f"a staging budget of {budget_bytes} bytes holds no token of {token_bytes} bytes "
+                             "in each of its two buffers")
+        self.buffers = [[torch.empty((self.chunk_slots, *first.shape[1:]), dtype=first.dtype, device=self.device)
+                         for _ in host_caches] for _ in range(2)]
+        # A token's rows of every layer as one row: consecutive host slots are one flat block.
+        host_tokens = [direct.Rows(h.view(-1, token_elems), "host tokens") for h in host_caches]
+        self.pairs = [direct.Pairs([(host_tokens[c], direct.Rows(buf.view(-1, token_elems), "staged tokens"))
+                                    for c, buf in enumerate(bufs)]) for bufs in self.buffers]
+        self.slots = torch.arange(self.chunk_slots, device=self.device)
+        self.side = torch.cuda.Stream(self.device)
+        self.gathered = [torch.cuda.Event(), torch.cuda.Event()]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.used = [False, False]
+
+    def backup(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+        """``host[host_indices[i]] = device[device_indices[i]]`` for every layer, staged. Returns False (and
+        does nothing) where rows are better copied one by one: a negative index on either side (it skips its
+        pair, which a block copy cannot), or host slots in runs shorter than MIN_RUN on average."""
+        host = host_indices.to("cpu", torch.int64)
+        count = host.numel()
+        if count == 0:
+            return True
+        low, high = (int(v) for v in torch.aminmax(host))
+        if low < 0:
+            return False
+        if high >= self.host_slots:
+            raise TransferIndexError(f"host_indices holds index {high}, but the host pool has only "
+                                     f"{self.host_slots} slots")
+        runs = int((host[1:] - host[:-1] != 1).sum()) + 1
+        if runs * MIN_RUN > count:
+            return False
+        low, high = (int(v) for v in torch.aminmax(device_indices))  # waits for the GPU when they live there
+        if low < 0:
+            return False
+        if high >= self.device_rows:
+            raise TransferIndexError(f"device_indices holds index {high}, but the device pool has only "
+                                     f"{self.device_rows} slots")
+        stream = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(stream)
+        for b in (0, 1):  # an earlier backup's copies, maybe on another stream, may still read a buffer
+            if self.used[b]:
+                self.side.wait_event(self.copied[b])
+        for k, first in enumerate(range(0, count, self.chunk_slots)):
+            b = k % 2
+            n = min(self.chunk_slots, count - first)
+            with torch.cuda.stream(self.side):
+                if k >= 2:
+                    self.side.wait_event(self.copied[b])
+                self.gather(b, self.buffers[b], self.slots[:n], device_indices[first:first + n])
+                self.gathered[b].record(self.side)
+            stream.wait_event(self.gathered[b])
+            plan = direct.CopyPlan(self.pairs[b], direct.find_runs(host[first:first + n], torch.arange(n)))
+            plan.run(self.pairs[b])
+            self.copied[b].record(stream)
+            self.used[b] = True
+        return True
+
+
+# ---------------------------------------------------------------------------
+# Gatherers: how the device rows reach a staging buffer.
+
+def kernel_gather(source_table):
+    """The JIT all-layer kernel, from ``source_table`` (an ops.LayerTable over the device layers)."""
+    from . import ops
+
+    tables: dict = {}
+
+    def gather(b, buffers, slots, device_indices):
+        table = tables.get(b)
+        if table is None:
+            groups = [[buf[:, l] for l in range(buf.shape[1])] for buf in buffers]
+            table = tables[b] = ops.LayerTable(groups[0] if len(groups) == 1 else tuple(groups), name="staging",
+                                               written=True)
+        ops.transfer_all_layer(table, slots, source_table, device_indices)
+
+    return gather
+
+
+def pointer_table_gather(source_tables: tuple, row_bytes: int):
+    """The JIT all-layer kernel from SGLang's per-layer pointer tables (one uint64 device tensor per cache)."""
+    from . import ops
+
+    tables: dict = {}
+
+    def gather(b, buffers, slots, device_indices):
+        table = tables.get(b)
+        if table is None:
+            table = tables[b] = tuple(torch.tensor([buf[:, l].data_ptr() for l in range(buf.shape[1])],
+                                                   dtype=torch.uint64, device=buf.device) for buf in buffers)
+        ops.transfer_pointer_tables(table if len(table) > 1 else table[0], slots,
+                                    source_tables if len(source_tables) > 1 else source_tables[0], device_indices,
+                                    dst_stride_bytes=buffers[0].stride(0) * buffers[0].element_size(),
+                                    src_stride_bytes=row_bytes, element_size=row_bytes)
+
+    return gather
+
+
+def torch_gather(device_layers: list):
+    """torch indexing, one launch per layer and cache (where the JIT kernel cannot run): ``device_layers``
+    holds, per cache, the device layer tensors in host-layer order."""
+
+    def gather(b, buffers, slots, device_indices):
+        idx = device_indices.to(buffers[0].device, torch.int64, non_blocking=True)
+        n = idx.numel()
+        for buf, layers in zip(buffers, device_layers):
+            for l, layer in enumerate(layers):
+                buf[:n, l] = layer.index_select(0, idx)
+
+    return gather

@@ -1,0 +1,127 @@
+"""page_first backups through the device staging area (transfer/staging.py), on a real GPU (marked ``gpu``).
+
+Every check compares whole host buffers bit for bit, so a page written where it should not be (or a
+stale staged page) fails the test, not only a missing one. The budget is set small so that a backup
+runs in several chunks and both staging buffers are reused.
+"""
+
+import zlib
+
+import pytest
+import torch
+
+from sglang_hicache_jit import ops
+from sglang_hicache_jit.transfer import staging
+
+from test_host_pool import (as_bytes, device_caches, fill_random, host_caches, make_device_pool, make_host_pool,
+                            set_host_rows, shuffle_allocator)
+
+pytestmark = pytest.mark.gpu
+
+LAYERS, SLOTS = 4, 512
+
+
+def _pool(kind, page, *, sharded=False, gather="kernel", chunk_pages=1, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dp = make_device_pool(kind, 1152, gen, device="cuda", sharded=sharded, slots=SLOTS)
+    pool = make_host_pool(dp, size=1024, page_size=page, layout="page_first")
+    if gather == "torch":  # the gather the pool takes where the JIT kernel is unavailable
+        pool.transfer_path = "direct"
+    pool.staging_bytes = 2 * chunk_pages * page * pool.layer_num * pool.row_bytes * pool.num_caches
+    shuffle_allocator(pool, gen)
+    return gen, dp, pool
+
+
+def _backup_and_check(gen, dp, pool, host, dev):
+    for buf in host_caches(pool):
+        fill_random(buf, gen)
+    start, end = pool.owned_layers
+    expected = [as_bytes(b).clone() for b in host_caches(pool)]
+    for c, layers in enumerate(device_caches(dp)):
+        for l in range(start, end):
+            set_host_rows(expected[c], "page_first", pool.page_size, l - start, host.long(),
+                          as_bytes(layers[l]).cpu()[dev.long().cpu()])
+    pool.backup_from_device_all_layer(dp, host, dev, "direct")
+    torch.cuda.synchronize()
+    ops.check_errors()
+    for c, buf in enumerate(host_caches(pool)):
+        assert torch.equal(as_bytes(buf), expected[c]), f"cache {c}"
+
+
+def _whole_pages(pool, gen, pages):
+    host = pool.alloc(pages * pool.page_size)
+    dev_pages = torch.randperm(SLOTS // pool.page_size, generator=gen)[:pages]
+    dev = (dev_pages[:, None] * pool.page_size + torch.arange(pool.page_size)).reshape(-1)
+    return host, dev
+
+
+@pytest.mark.parametrize("chunk_pages", [1, 3, 64], ids=["1-page-chunks", "3-page-chunks", "one-chunk"])
+@pytest.mark.parametrize("gather", ["kernel", "torch"])
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+@pytest.mark.parametrize("page", [16, 64])
+def test_staged_backups_are_bit_exact(page, kind, gather, chunk_pages):
+    gen, dp, pool = _pool(kind, page, gather=gather, chunk_pages=chunk_pages,
+                          seed=zlib.crc32(repr((page, kind, gather, chunk_pages)).encode()))
+    for pages, dtype, where in ((5, torch.int64, "cpu"), (7, torch.int32, "cuda"), (1, torch.int64, "cuda")):
+        host, dev = _whole_pages(pool, gen, pages)
+        _backup_and_check(gen, dp, pool, host.to(dtype), dev.to(dtype).to(where))
+        assert pool.last_direct_mode == "staged"
+        pool.free(host)
+
+
+def test_sharded_pools_stage_their_owned_layers():
+    gen, dp, pool = _pool("mla", 16, sharded=True, chunk_pages=2, seed=3)
+    host, dev = _whole_pages(pool, gen, 6)
+    _backup_and_check(gen, dp, pool, host, dev.cuda())
+    assert pool.last_direct_mode == "staged"
+
+
+def test_scattered_or_padded_rows_take_the_row_copies():
+    gen, dp, pool = _pool("mla", 16, seed=4)
+    host, dev = _whole_pages(pool, gen, 3)
+    _backup_and_check(gen, dp, pool, host[::2], dev[::2])  # every other slot: runs of one token
+    assert pool.last_direct_mode == "batch"
+    padded = dev.clone()
+    padded[5] = -1  # a skipped pair: its host row must stay as it was, which a whole-page copy cannot do
+    _backup_and_check(gen, dp, pool, host, padded)
+    assert pool.last_direct_mode == "batch"
+
+
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])
+def test_a_staged_backup_sees_what_the_stream_wrote_before_it(side_stream):
+    """The producer writes the device rows behind a long sleep on the caller's stream; the gather runs on the
+    staging area's own stream and must wait for it."""
+    gen, dp, pool = _pool("mla", 64, chunk_pages=2, seed=5)
+    host, dev = _whole_pages(pool, gen, 8)
+    dev = dev.cuda()
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    fresh = [torch.randint(0, 256, as_bytes(t).shape, dtype=torch.uint8, generator=gen).cuda()
+             for t in dp.kv_buffer]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # tens of ms of GPU time before the producer's writes
+        for t, new in zip(dp.kv_buffer, fresh):
+            as_bytes(t).copy_(new)
+        pool.backup_from_device_all_layer(dp, host, dev, "direct")
+    stream.synchronize()
+    assert pool.last_direct_mode == "staged"
+    for l, new in enumerate(fresh):
+        assert torch.equal(as_bytes(pool.kv_buffer)[host, l], new[dev].cpu()), f"layer {l}"
+
+
+def test_out_of_range_indices_raise_before_anything_is_copied():
+    gen, dp, pool = _pool("mla", 16, seed=6)
+    host, dev = _whole_pages(pool, gen, 2)
+    before = pool.kv_buffer.clone()
+    bad = dev.clone()
+    bad[-1] = SLOTS
+    with pytest.raises(Exception, match="device_indices"):
+        pool.backup_from_device_all_layer(dp, host, bad.cuda(), "direct")
+    torch.cuda.synchronize()
+    assert torch.equal(pool.kv_buffer, before)
+
+
+def test_a_budget_too_small_for_one_page_is_refused_by_the_staging_area():
+    host = torch.empty((64, 4, 1, 576), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="holds no token"):
+        staging.PageStaging([host], budget_bytes=1024, device="cuda", device_rows=64, gather=None)
