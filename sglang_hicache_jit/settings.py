@@ -198,9 +198,10 @@ def resident_idle_us() -> int:
     return _whole_number(RESIDENT_IDLE_US, 2000, 0, 60_000_000)
 
 
-# What a page_first pool's device staging area may take (both of its buffers): 128 MiB keeps a chunk's copy
-# (about 1.2 ms at the link's rate) long beside the gather that fills the other buffer.
-DEFAULT_STAGING_BYTES = 128 << 20
+# What a page_first pool's device staging area may take (both of its buffers). Beside compute each chunk's
+# gather waits for SMs, so chunks must be long: 128 MiB kept 0.63-0.76 of the link beside a matmul, 512 MiB
+# 0.81-0.92 (transfer/staging.py).
+DEFAULT_STAGING_BYTES = 512 << 20
 
 
 def staging_bytes() -> int:
@@ -344,7 +345,7 @@ _DESCRIBED = (
     (METHOD, method, "auto"),
     (RESIDENT_BLOCKS, resident_blocks, "4 CTAs"),
     (RESIDENT_IDLE_US, resident_idle_us, "2000 us"),
-    (STAGING, staging_bytes, "128 MiB per page_first pool on the GPU"),
+    (STAGING, staging_bytes, "512 MiB per page_first pool on the GPU"),
     (LOCK_TIMEOUT, lock_timeout, "3600 s"),
     (BUILD_JOBS, build_jobs, "ninja's choice (CPUs + 2)"),
     (PREBUILT_DIRS, prebuilt_dirs, "no prebuilt layers"),

@@ -258,27 +258,27 @@ def test_auto_policy_is_one_function():
         host_pool.choose_io_backend(True, "sideways")
 
 
-def test_auto_sends_only_large_host_indexed_loads_to_the_copy_engines():
-    big = {"copy_bytes": host_pool.DIRECT_LOAD_MIN_COPY_BYTES, "call_bytes": host_pool.DIRECT_LOAD_MIN_CALL_BYTES}
-    assert host_pool.choose_io_backend(True, "load", **big, indices_on_host=True) == "direct"
-    assert host_pool.choose_io_backend(True, "load", **big, indices_on_host=False) == "kernel"  # no host sync
-    short = dict(big, copy_bytes=big["copy_bytes"] - 4)
+def test_auto_sends_host_indexed_loads_of_long_copies_to_the_copy_engines():
+    long = {"copy_bytes": host_pool.DIRECT_LOAD_MIN_COPY_BYTES}
+    assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=True) == "direct"
+    assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=False) == "kernel"  # no host sync
+    short = {"copy_bytes": host_pool.DIRECT_LOAD_MIN_COPY_BYTES - 4}
     assert host_pool.choose_io_backend(True, "load", **short, indices_on_host=True) == "kernel"
-    small = dict(big, call_bytes=big["call_bytes"] - 4)
-    assert host_pool.choose_io_backend(True, "load", **small, indices_on_host=True) == "kernel"
 
 
-@pytest.mark.parametrize("layout, page, copy_rows", [("page_first_direct", 512, 512), ("layer_first", 512, 512),
-                                                     ("page_first", 512, 1)])
+@pytest.mark.parametrize("layout, page, copy_rows", [("page_first_direct", 64, 64), ("layer_first", 64, 64),
+                                                     ("page_first", 64, 1), ("page_first_direct", 8, 8)])
 def test_auto_load_path_follows_the_layouts_copy_size(layout, page, copy_rows):
+    """What the 2026-12-04 H200 figures pin: a 64-token page of one 1152-B layer (72 KiB) is one copy in
+    page_first_direct and layer_first and goes to the copy engines; page_first copies single rows, and
+    8-token pages are 9 KiB copies: both stay on the kernel."""
     device = MLADevicePool([torch.zeros((1024, 1, 576), dtype=torch.bfloat16) for _ in range(2)])
     pool = MLAHostKVPool(device, size=1024, page_size=page, layout=layout, pin_memory=False)
     assert pool.copy_bytes == copy_rows * 1152
     pool.transfer_path = "kernel"  # as on a GPU where the probe said yes
-    tokens = -(-host_pool.DIRECT_LOAD_MIN_CALL_BYTES // 1152)  # just enough
-    expected = "direct" if copy_rows == page else "kernel"
-    assert pool._path("auto", "load", torch.zeros(tokens, dtype=torch.int64)) == expected
-    assert pool._path("auto", "load", torch.zeros(tokens // 2, dtype=torch.int64)) == "kernel"
+    expected = "direct" if copy_rows * 1152 >= 16 * 1024 else "kernel"
+    assert pool._path("auto", "load", torch.zeros(1024, dtype=torch.int64)) == expected
+    assert pool._path("auto", "load", _FakeCudaTensor()) == "kernel"
     assert pool._path("auto", "backup") == "direct"
 
 

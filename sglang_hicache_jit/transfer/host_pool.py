@@ -77,38 +77,32 @@ class MHADevicePool:
     owned_layers: tuple | None = None
 
 
-# Where a load on the copy engines keeps up with the kernel (tools/bench_auto.py, H200, 1152-B rows,
-# page_first_direct, SGLang's 8-layer per-layer load loop, two runs, docs/BENCHMARKS.md 2026-12-04): at 64K
-# tokens per layer with copies of 288 KiB (pages of 256 rows) or 576 KiB they moved 0.95-0.99 of the link
-# beside back-to-back bf16 matmuls at +2.6-4.2% matmul time, the kernel 0.76-0.78 at +7.0-8.5%; with
-# 72 KiB copies 0.51 / 0.87 (the kernel 0.77), and at 16K tokens per layer 0.38-0.73 where the kernel
-# moves 0.80 alone: the host's planning and submission per call is not amortized there.
-DIRECT_LOAD_MIN_COPY_BYTES = 256 * 1024
-DIRECT_LOAD_MIN_CALL_BYTES = 64 * 1024 * 1024
+# Where a load goes to the copy engines (H200, 1152-B rows, SGLang's 8-layer per-layer load loop, with the
+# plan made once per load; docs/BENCHMARKS.md 2026-12-04): beside back-to-back bf16 matmuls, copies of a
+# 64-token page of one layer (72 KiB) moved 0.55 / 0.75 / 0.88 / 0.93 of the link at 1K / 4K / 16K / 64K
+# tokens per layer against the kernel's 0.16 / 0.33 / 0.43 / 0.79 (its launches wait for SMs), and alone
+# 0.29 / 0.74 / 0.99 / 0.99 against 0.30 / 0.63 / 0.80 / 0.82. Copies of 16-token pages (18 KiB) still
+# led beside the matmul (0.53 against 0.34 at 4K tokens) though not alone (0.45 against 0.66). A load is
+# overlapped with compute in a server, so the copy engines take every load whose copies are this long.
+DIRECT_LOAD_MIN_COPY_BYTES = 16 * 1024
 
 
-def choose_io_backend(kernel_available: bool, operation: str, *, copy_bytes: int = 0, call_bytes: int = 0,
+def choose_io_backend(kernel_available: bool, operation: str, *, copy_bytes: int = 0,
                       indices_on_host: bool = False) -> str:
     """The ``io_backend="auto"`` policy for ``operation`` ('load' or 'backup').
 
-    Backups, which are off the critical path, take the copy engines: beside a
-    saturating bf16 matmul on an H200 an all-layer backup through the kernel
-    moved 39 GB/s but slowed the matmul by 35%, against 15 GB/s and +3% on the
-    copy engines (tools/bench_pool.py). Loads take the kernel (0.80-0.82 of the
-    link alone at 16K-64K tokens per layer), unless the call is one the copy
-    engines serve faster at half the matmul's slow-down: each copy
-    (``copy_bytes``, one page of one layer when the layout keeps it contiguous)
-    at least DIRECT_LOAD_MIN_COPY_BYTES, the call (``call_bytes``) at least
-    DIRECT_LOAD_MIN_CALL_BYTES, and the indices already on the host (the direct
-    path plans on the CPU; GPU indices would cost a host sync). Pass
-    io_backend="kernel" for the fastest backup on an idle GPU (0.88 of the link).
+    Backups, which are off the critical path, take the copy engines: beside a saturating bf16 matmul the
+    kernel's all-layer backup slows the matmul by 44-52%, the copy engines by 2-5% (and page_first backups
+    are staged, staging.py). Loads take the copy engines too when each copy (``copy_bytes``: one page of
+    one layer where the layout keeps it contiguous, else one row) is at least DIRECT_LOAD_MIN_COPY_BYTES
+    and the indices are already on the host (the copy engines are planned on the CPU; GPU indices would cost
+    a host sync); otherwise the kernel. Pass io_backend="kernel" for the fastest small loads on an idle GPU.
     """
     if operation not in ("load", "backup"):
         raise ValueError(f"operation must be 'load' or 'backup', got {operation!r}")
     if not kernel_available or operation == "backup":
         return "direct"
-    large = copy_bytes >= DIRECT_LOAD_MIN_COPY_BYTES and call_bytes >= DIRECT_LOAD_MIN_CALL_BYTES
-    return "direct" if large and indices_on_host else "kernel"
+    return "direct" if copy_bytes >= DIRECT_LOAD_MIN_COPY_BYTES and indices_on_host else "kernel"
 
 
 def _log_choice_once(path: str, reason: str) -> None:
@@ -327,9 +321,7 @@ class HostKVPool:
         if io_backend == "resident":  # the kernel's resident method (docs/kernels.md), else the direct path
             return "resident" if self.transfer_path == "kernel" else "direct"
         if io_backend == "auto":
-            tokens = 0 if device_indices is None else device_indices.shape[0]
             return choose_io_backend(self.transfer_path == "kernel", operation, copy_bytes=self.copy_bytes,
-                                     call_bytes=tokens * self.row_bytes * self.num_caches,
                                      indices_on_host=device_indices is not None and not device_indices.is_cuda)
         raise ValueError(f"Unsupported IO backend: {io_backend!r} (choose one of {', '.join(IO_BACKENDS)})")
 

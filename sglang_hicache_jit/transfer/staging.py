@@ -11,9 +11,11 @@ it) or the copy engines' per-row overhead (2-D copies: a quarter of the link). S
 2. copies each run of consecutive host slots (a page, or pages that follow each other) as one flat block
    (``direct.CopyPlan``: the driver's batched call, link rate, no SMs) on the caller's stream.
 
-The staging area is two buffers of at most half of ``SGLANG_HICACHE_JIT_STAGING`` (default 128 MiB) each,
-so a large backup runs in chunks: the gather of chunk k+1 fills one buffer while the copies of chunk k
-drain the other. Ordering: the side stream first waits for the caller's stream (the gather sees what was
+The staging area is two buffers of half of ``SGLANG_HICACHE_JIT_STAGING`` (default 512 MiB) each, so a
+large backup runs in chunks: the gather of chunk k+1 fills one buffer while the copies of chunk k drain
+the other. Beside a saturating matmul each gather first waits for SMs (about one matmul), so the chunks
+must be long: with 64 MiB buffers a 16K-token backup (8 layers of 1152-B rows) kept 0.63 of the link,
+with 256 MiB buffers 0.81 (64K tokens: 0.76 and 0.92), at +2.5 to +4.9% matmul time (H200, 2026-12-04). Ordering: the side stream first waits for the caller's stream (the gather sees what was
 written to the device cache before the call), every copy waits for its gather, and a buffer is gathered
 into again only after its copies are done; the caller's stream ends up behind all of it.
 """
@@ -31,6 +33,11 @@ from ..errors import TransferIndexError
 # flat copy of run x layers x row bytes, and the copy engines' fixed cost per copy (0.3-0.8 us in a batch)
 # would otherwise dominate. HiCache moves whole pages (often 64 tokens), far above it.
 MIN_RUN = 16
+# CTAs of the gather. It moves HBM to HBM, so more CTAs finish it sooner at about the same SM time: 32
+# against the kernel's default 8 took a 16K-token backup from 0.86 to 0.92 of the link alone (H200,
+# 2026-12-04, docs/BENCHMARKS.md). Beside a saturating matmul what costs the copy engines is each gather's
+# wait for SMs, so fewer, larger chunks (the budget) matter there, not the CTA count or the stream's priority.
+GATHER_BLOCKS = 32
 
 
 class PageStaging:
@@ -50,10 +57,11 @@ class PageStaging:
         self.gather = gather
         token_elems = self.layers * math.prod(first.shape[2:])
         token_bytes = token_elems * first.element_size() * len(host_caches)
-        self.chunk_slots = budget_bytes // (2 * token_bytes)
-        if self.chunk_slots < 1:
+        if budget_bytes < 2 * token_bytes:
             raise ValueError(f"a staging budget of {budget_bytes} bytes holds no token of {token_bytes} bytes "
                              "in each of its two buffers")
+        # Never more than the host buffer could send in one backup.
+        self.chunk_slots = min(budget_bytes // (2 * token_bytes), self.host_slots)
         self.buffers = [[torch.empty((self.chunk_slots, *first.shape[1:]), dtype=first.dtype, device=self.device)
                          for _ in host_caches] for _ in range(2)]
         # A token's rows of every layer as one row: consecutive host slots are one flat block.
@@ -125,7 +133,7 @@ def kernel_gather(source_table):
             groups = [[buf[:, l] for l in range(buf.shape[1])] for buf in buffers]
             table = tables[b] = ops.LayerTable(groups[0] if len(groups) == 1 else tuple(groups), name="staging",
                                                written=True)
-        ops.transfer_all_layer(table, slots, source_table, device_indices)
+        ops.transfer_all_layer(table, slots, source_table, device_indices, block_quota=GATHER_BLOCKS)
 
     return gather
 
@@ -144,7 +152,7 @@ def pointer_table_gather(source_tables: tuple, row_bytes: int):
         ops.transfer_pointer_tables(table if len(table) > 1 else table[0], slots,
                                     source_tables if len(source_tables) > 1 else source_tables[0], device_indices,
                                     dst_stride_bytes=buffers[0].stride(0) * buffers[0].element_size(),
-                                    src_stride_bytes=row_bytes, element_size=row_bytes)
+                                    src_stride_bytes=row_bytes, element_size=row_bytes, block_quota=GATHER_BLOCKS)
 
     return gather
 
