@@ -63,11 +63,11 @@ import socket
 import stat
 import time
 from pathlib import Path
-from collections import namedtuple
 
 from .. import safeio, settings
 from . import trust
 from ..errors import BadSettingError, UnsafeCacheError, write_error
+from .record import record
 from .spec import LAYOUT_VERSION, derive_key
 
 MANIFEST = "manifest.json"
@@ -127,7 +127,7 @@ class CorruptEntry(Exception):
     """An entry exists but fails verification; the message says why."""
 
 
-class Entry(namedtuple("Entry", ["path", "manifest", "prebuilt"], defaults=[False])):  # see arch.Arch
+class Entry(record("Entry", ["path", "manifest", "prebuilt"], defaults=(False,))):  # see arch.Arch
     """A verified entry: its directory (Path), its manifest (dict) and whether it was found in a
     read-only prebuilt layer (prebuilt, never written to)."""
 

@@ -31,7 +31,6 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from collections import namedtuple
 
 # Only what a warm hit uses is imported here: filelock alone took 65-80 ms to import, 15x the whole
 # warm load, and build.py, remote.py and socket are needed only to build or fetch.
@@ -41,6 +40,7 @@ from .cache import BuildCache, CorruptEntry, Entry, open_verified, sass_numbers,
 from ..errors import (ArchUnsupportedError, BuildFailedError, DisabledError, HicacheJitError, LockTimeoutError,
                      NotBuiltError, UnsafeCacheError, write_error)
 from .spec import BuildSpec
+from .record import record
 from .toolchain import check_build_tools, find_toolkit, require_toolkit
 
 log = logging.getLogger("sglang_hicache_jit")
@@ -48,7 +48,7 @@ log = logging.getLogger("sglang_hicache_jit")
 _WAIT_LOG_SECONDS = 5.0
 
 
-class BuildResult(namedtuple("BuildResult", ["kernel", "archs", "action", "seconds", "entry"])):  # see arch.Arch
+class BuildResult(record("BuildResult", ["kernel", "archs", "action", "seconds", "entry"])):  # see arch.Arch
     """What ``ensure_built`` did: action is 'built', 'cached' (in the writable
     cache), 'prebuilt' (in a read-only layer), 'fetched' (copied from a remote
     layer) or 'waited' (another process built it meanwhile)."""

@@ -24,16 +24,16 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from collections import namedtuple
 
 from .. import settings
 from .arch import Arch
 from ..errors import ArchUnsupportedError, ToolchainError
+from .record import record
 
 log = logging.getLogger("sglang_hicache_jit")
 
 
-class Toolkit(namedtuple("Toolkit", ["home", "version", "found_by"])):  # a namedtuple: see arch.Arch
+class Toolkit(record("Toolkit", ["home", "version", "found_by"])):  # a record: see arch.Arch
     """A CUDA toolkit: home (Path), version ("13.0", from cuda.h), found_by (where the search found it)."""
 
     __slots__ = ()
@@ -213,7 +213,7 @@ def _run(cmd: list[str]) -> str:
 
 # toolkit (Toolkit), nvcc_version (its full 'release 13.0, V13.0.88' line), nvcc_archs (frozenset of the
 # compute capabilities nvcc can target, e.g. {"90", "100"}), ninja, cxx and cxx_version (str).
-BuildTools = namedtuple("BuildTools", ["toolkit", "nvcc_version", "nvcc_archs", "ninja", "cxx", "cxx_version"])
+BuildTools = record("BuildTools", ["toolkit", "nvcc_version", "nvcc_archs", "ninja", "cxx", "cxx_version"])
 
 
 @functools.lru_cache(maxsize=None)
