@@ -43,7 +43,7 @@ import threading
 
 import torch
 
-from ..errors import TransferIndexError
+from .bounds import PAST_THE_END, check_rows
 from .checks import check_index_tensor
 
 log = logging.getLogger("sglang_hicache_jit.direct")  # its name from before the move to a subpackage (issue 20)
@@ -101,13 +101,17 @@ class Rows:
             raise ValueError(f"{name} has overlapping rows (slot stride {self.stride} B < row {self.row_bytes} B)")
 
     @classmethod
-    def at(cls, ptr: int, stride: int, row_bytes: int, device: int, rows: int = 1 << 62) -> "Rows":
+    def at(cls, ptr: int, stride: int, row_bytes: int, device: int, rows: int | None = None) -> "Rows":
         """Rows at a raw address (an entry of a pool's per-layer pointer table).
 
         The caller vouches for the address; the pool size is unknown unless
-        given, so only the other side's bounds are checked. Host and device
-        addresses alike: copies use cudaMemcpyDefault, which tells them apart.
+        given, so only the other side's bounds are checked. Unknown, it is the
+        most slots whose addresses stay below 2**63, so that no index can wrap
+        an address around to below ``ptr``. Host and device addresses alike:
+        copies use cudaMemcpyDefault, which tells them apart.
         """
+        if rows is None:
+            rows = (PAST_THE_END - int(ptr)) // max(int(stride), int(row_bytes), 1)
         rows_ = cls.__new__(cls)
         rows_.tensor, rows_.ptr, rows_.stride, rows_.row_bytes = None, int(ptr), int(stride), int(row_bytes)
         rows_.rows, rows_.device, rows_.dtype = rows, device, None
@@ -219,7 +223,10 @@ def whole_pages(indices: torch.Tensor, page_size: int, *, aligned: bool = False)
         return None
     pages = indices.view(-1, page_size)
     starts = pages[:, 0]
-    if bool((starts < 0).any()) or (aligned and bool((starts % page_size).any())):
+    # A page's last slot, start + page_size - 1, must not pass 2**63 - 1: then the int64 subtraction
+    # below cannot wrap, and a page equal to its start plus 0..page_size-1 is exactly that page.
+    if bool(((starts < 0) | (starts > PAST_THE_END - (page_size - 1))).any()) or (
+            aligned and bool((starts % page_size).any())):
         return None
     if not torch.equal(pages - starts[:, None], torch.arange(page_size).expand_as(pages)):
         return None
@@ -255,13 +262,10 @@ def split_runs(runs: Runs, max_rows: int) -> Runs:
 
 
 def check_bounds(runs: Runs, dst_rows: int, src_rows: int) -> None:
-    """Raises TransferIndexError if a run reaches past the end of either side."""
-    if not len(runs):
-        return
-    for name, start, rows in (("indices_dst", runs.dst_start, dst_rows), ("indices_src", runs.src_start, src_rows)):
-        last = int((start + runs.length).max()) - 1
-        if last >= rows:
-            raise TransferIndexError(f"{name} holds index {last}, but that side has only {rows} slots")
+    """Raises TransferIndexError if a run reaches past the end of either side (bounds.py: without
+    wrap-around, before describe_copies computes an address)."""
+    check_rows("indices_dst", runs.dst_start, dst_rows, runs.length, pool="that side")
+    check_rows("indices_src", runs.src_start, src_rows, runs.length, pool="that side")
 
 
 class _MemLocation(ctypes.Structure):
