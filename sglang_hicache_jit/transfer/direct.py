@@ -415,6 +415,7 @@ class CudaRuntime:
         lib.cudaMemcpy2DAsync.argtypes = [ptr, size_t, ptr, size_t, size_t, size_t, ctypes.c_int, ptr]
         lib.cudaHostRegister.argtypes = [ptr, size_t, ctypes.c_uint]
         lib.cudaHostUnregister.argtypes = [ptr]
+        lib.cudaPointerGetAttributes.argtypes = [ptr, ptr]
         self._batch = getattr(lib, "cudaMemcpy3DBatchAsync", None)
         # CUDA 12.8-12.9 take a failIdx out-pointer that 13.0 dropped.
         self._batch_has_fail_idx = self.version < 13000
@@ -469,6 +470,16 @@ class CudaRuntime:
 
     def host_unregister(self, ptr: int) -> None:
         self.check(self.lib.cudaHostUnregister(ptr), "cudaHostUnregister")
+
+    def host_registered(self, ptr: int) -> bool:
+        """Whether host address ``ptr`` is in memory pinned by CUDA, by cudaHostAlloc (torch's pinned
+        memory) or cudaHostRegister (the pools'): one cudaPointerGetAttributes call, whose struct begins
+        with the memory type (cudaMemoryTypeHost is 1). cudaHostGetFlags answers only for the first kind."""
+        attributes = ctypes.create_string_buffer(256)  # struct cudaPointerAttributes: 88 bytes in CUDA 13
+        if self.lib.cudaPointerGetAttributes(attributes, ptr):
+            self.lib.cudaGetLastError()  # clear the non-sticky error, or a later torch check reports it
+            return False
+        return ctypes.c_int.from_buffer(attributes).value == 1
 
 
 class DriverBatchError(RuntimeError):
