@@ -124,22 +124,29 @@ def _positive(name: str, value) -> int:
     return value
 
 
-def _element_dim(element_dim, cache, name: str, **others) -> int:
-    """``element_dim``, or (None or 0, as upstream) the last dimension of ``cache``, after checking it
-    against ``cache`` and the ``others`` (argument name -> tensor): each a cache whose row (its elements
-    per slot; a flat buffer's elements) is a whole number of element_dim-element rows."""
+def _element_dim(element_dim, cache, name: str) -> int:
+    """``element_dim``, or (None or 0, as upstream) the last dimension of ``cache``, checked against
+    ``cache`` (the argument ``name``) as _whole_rows does."""
     _cache(name, cache)
     if element_dim is None or (type(element_dim) is int and element_dim == 0):
-        element_dim = cache.size(-1)
-    else:
-        _positive("element_dim", element_dim)
-    for arg, t in ((name, cache), *others.items()):
-        _cache(arg, t)
-        row = math.prod(t.shape[1:]) if t.dim() > 1 else t.numel()
-        if row % element_dim:
-            raise ValueError(f"element_dim={element_dim} does not divide a row of {arg} ({row} elements per slot, "
-                             f"shape {tuple(t.shape)})")
+        return cache.size(-1)
+    _divides(_positive("element_dim", element_dim), name, cache)
     return element_dim
+
+
+def _whole_rows(element_dim: int, **caches) -> None:
+    """Each of ``caches`` (argument name -> tensor) is a cache whose row (its elements per slot; a flat
+    buffer's elements) is a whole number of rows of ``element_dim`` elements. The kernel ops check the
+    caches they are given themselves (by name, once per launch plan); the copy-engine path calls this."""
+    for name, t in caches.items():
+        _divides(element_dim, name, _cache(name, t))
+
+
+def _divides(element_dim: int, name: str, t: torch.Tensor) -> None:
+    row = math.prod(t.shape[1:]) if t.dim() > 1 else t.numel()
+    if row % element_dim:
+        raise ValueError(f"element_dim={element_dim} does not divide a row of {name} ({row} elements per slot, "
+                         f"shape {tuple(t.shape)})")
 
 
 def transfer_hicache_one_layer(

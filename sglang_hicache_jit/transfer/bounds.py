@@ -75,12 +75,13 @@ def token_rows(name: str, tokens: torch.Tensor, *, page_size: int, page_rows: in
     row count. Either way the product is never formed for a token outside the pool.
     """
     tokens = tokens.to(torch.int64)
-    if not tokens.is_cuda:
-        check_rows(name, tokens, slots, pool=pool)
-        inside = tokens.clamp(min=0)
-    else:
+    if tokens.is_cuda:
         outside = tokens >= slots
-        inside = torch.where(outside, 0, tokens).clamp(min=0)
+        inside = torch.where(outside, 0, tokens)
+    else:
+        check_rows(name, tokens, slots, pool=pool)
+        inside = tokens
+    # Padding (negative tokens) is multiplied too, and replaced by itself below.
     rows = torch.div(inside, page_size, rounding_mode="floor") * page_rows + inside.remainder(page_size) * token_stride
     rows = torch.where(tokens < 0, tokens, rows)
     return torch.where(outside, PAST_THE_END, rows) if tokens.is_cuda else rows

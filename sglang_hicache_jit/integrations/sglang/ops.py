@@ -191,13 +191,13 @@ def transfer_hicache_one_layer(
     block_quota: int | None = None,
     page_size: int | None = None,
 ) -> None:
-    element_dim = compat._element_dim(element_dim, k_cache_dst, "k_cache_dst", v_cache_dst=v_cache_dst,
-                                      k_cache_src=k_cache_src, v_cache_src=v_cache_src)
+    element_dim = compat._element_dim(element_dim, k_cache_dst, "k_cache_dst")
     if kernel_available(element_dim * k_cache_dst.element_size()):
         # ops directly, not through compat: this is the per-layer hot path (one frame less).
         ops.transfer_one_layer(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src, indices_src,
                                element_dim=element_dim, block_quota=block_quota)
         return
+    compat._whole_rows(element_dim, v_cache_dst=v_cache_dst, k_cache_src=k_cache_src, v_cache_src=v_cache_src)
     _copy([(_view_rows(k_cache_dst, element_dim), _view_rows(k_cache_src, element_dim)),
            (_view_rows(v_cache_dst, element_dim), _view_rows(v_cache_src, element_dim))], indices_dst, indices_src)
 
@@ -213,11 +213,12 @@ def transfer_hicache_one_layer_mla(
     block_quota: int | None = None,
     page_size: int | None = None,
 ) -> None:
-    element_dim = compat._element_dim(element_dim, cache_dst, "cache_dst", cache_src=cache_src)
+    element_dim = compat._element_dim(element_dim, cache_dst, "cache_dst")
     if kernel_available(element_dim * cache_dst.element_size()):
         ops.transfer_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, element_dim=element_dim,
                                    block_quota=block_quota)
         return
+    compat._whole_rows(element_dim, cache_src=cache_src)
     _copy([(_view_rows(cache_dst, element_dim), _view_rows(cache_src, element_dim))], indices_dst, indices_src)
 
 
