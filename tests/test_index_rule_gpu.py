@@ -257,8 +257,12 @@ _UNREGISTER = textwrap.dedent("""
     assert not runtime.host_registered(torch.empty((8, 64), dtype=torch.uint8).data_ptr())
 
     def registered(rows):  # as a pool's host buffer: pageable memory, then cudaHostRegister
-        t = torch.randint(0, 256, (rows, 2, 256), dtype=torch.uint8)
-        runtime.host_register(t.data_ptr(), t.numel())
+        # Whole pages of their own, so that no registration overlaps another's pages.
+        raw = torch.empty(rows * 512 + 8192, dtype=torch.uint8)
+        offset = -raw.data_ptr() % 4096
+        t = raw[offset:offset + rows * 512].view(rows, 2, 256)
+        t.random_(0, 256)
+        runtime.host_register(t.data_ptr(), -(-t.numel() // 4096) * 4096)
         assert runtime.host_registered(t.data_ptr()) and runtime.host_registered(t[rows - 1, 1].data_ptr())
         return t
 
