@@ -162,15 +162,25 @@ def install(ops, *, handle=None, transfer=None, device: int = 0):
     return state
 
 
+def _plan_modules(ops) -> list:
+    """transfer/plans.py beside ``ops`` where it exists (not in a one-file ops.py of an older revision)."""
+    if hasattr(ops, "_DeviceState"):
+        return []
+    return [importlib.import_module(f"{ops.__package__}.plans")]
+
+
+_ANSWERS = {"_raw_stream": lambda device: 0, "_current_device": lambda: 0,
+            "_host_registered": lambda address: True}  # fake pinned memory stays pinned
+
+
 @contextlib.contextmanager
 def stub_cuda_runtime(ops):
     """The CUDA runtime queries ops makes per call, answered without a GPU."""
-    modules = _state_modules(ops)
-    saved = [(m, name, getattr(m, name)) for m in modules for name in ("_raw_stream", "_current_device")
-             if hasattr(m, name)]
+    modules = _state_modules(ops) + _plan_modules(ops)
+    saved = [(m, name, getattr(m, name)) for m in modules for name in _ANSWERS if hasattr(m, name)]
     saved_current = torch.cuda.current_device
     for module, name, _ in saved:
-        setattr(module, name, (lambda device: 0) if name == "_raw_stream" else (lambda: 0))
+        setattr(module, name, _ANSWERS[name])
     torch.cuda.current_device = lambda: 0
     try:
         yield

@@ -1,5 +1,8 @@
 """SGLang 0.5.23's ``sglang.kernels.ops.kvcache.hicache``, served by this package's kernels.
 
+Why one long module: it mirrors that one upstream module function for function, and the geometry
+checks its functions share (also the routed SGLang ops') sit beside them.
+
 Every public transfer function of that module, with the same name, parameter
 names, kinds, order and defaults, and the same bytes moved, so a caller can
 switch by changing one import (the SGLang plugin in
@@ -32,12 +35,12 @@ more:
 from __future__ import annotations
 
 import logging
-import operator
+import math
 import weakref
 
 import torch
 
-from ..transfer import ops
+from ..transfer import bounds, ops
 from ..transfer.probe import probe
 
 log = logging.getLogger("sglang_hicache_jit.compat")  # its name from before the move to a subpackage (issue 20)
@@ -101,14 +104,49 @@ def can_use_page_unified_load_back_jit_kernel(
 # ---------------------------------------------------------------------------
 # One layer and all layers.
 
+# Geometry, checked once per call before anything is viewed or divided: these helpers serve compat and
+# the routed SGLang ops (integrations/sglang/ops.py) alike, so a degenerate argument reads the same on
+# every path (a TypeError or ValueError naming it, never torch's error from a view or a division).
+
+def _cache(name: str, t) -> torch.Tensor:
+    """``t`` (the argument ``name``) is a cache: a tensor of at least one slot of at least one element."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() == 0 or not t.numel():
+        raise ValueError(f"{name} must hold at least one slot of at least one element; got shape {tuple(t.shape)}")
+    return t
+
+
+def _positive(name: str, value) -> int:
+    """``value`` (the argument ``name``) as a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
 def _element_dim(element_dim, cache, name: str) -> int:
-    if element_dim is None or element_dim == 0:
-        if not isinstance(cache, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
+    """``element_dim``, or (None or 0, as upstream) the last dimension of ``cache``, checked against
+    ``cache`` (the argument ``name``) as _whole_rows does."""
+    _cache(name, cache)
+    if element_dim is None or (type(element_dim) is int and element_dim == 0):
         return cache.size(-1)
-    if isinstance(element_dim, bool) or not isinstance(element_dim, int) or element_dim < 0:
-        raise ValueError(f"element_dim must be a positive int (elements per row), got {element_dim!r}")
+    _divides(_positive("element_dim", element_dim), name, cache)
     return element_dim
+
+
+def _whole_rows(element_dim: int, **caches) -> None:
+    """Each of ``caches`` (argument name -> tensor) is a cache whose row (its elements per slot; a flat
+    buffer's elements) is a whole number of rows of ``element_dim`` elements. The kernel ops check the
+    caches they are given themselves (by name, once per launch plan); the copy-engine path calls this."""
+    for name, t in caches.items():
+        _divides(element_dim, name, _cache(name, t))
+
+
+def _divides(element_dim: int, name: str, t: torch.Tensor) -> None:
+    row = math.prod(t.shape[1:]) if t.dim() > 1 else t.numel()
+    if row % element_dim:
+        raise ValueError(f"element_dim={element_dim} does not divide a row of {name} ({row} elements per slot, "
+                         f"shape {tuple(t.shape)})")
 
 
 def transfer_hicache_one_layer(
@@ -150,11 +188,11 @@ def transfer_hicache_one_layer_mla(
 
 def _element_size(element_size, src_stride, dst_stride, names: str) -> int:
     if element_size is not None:
-        return element_size
+        return _positive("element_size", element_size)
     if src_stride != dst_stride:
         # Upstream asserts here; a ValueError says what to pass instead.
         raise ValueError(f"element_size is required when {names} differ ({src_stride} != {dst_stride})")
-    return dst_stride
+    return _positive(f"element_size (left out: {names})", dst_stride)
 
 
 def transfer_hicache_all_layer(
@@ -227,6 +265,10 @@ def staged_geometry(staging: torch.Tensor, dst: torch.Tensor, element_size) -> t
     Upstream reads whole pages starting at ``src_indices[::page_size]``; for the
     page-aligned indices its contract requires, copying token by token (as
     below) moves the same bytes."""
+    _cache("staging", staging)
+    _cache("dst", dst)
+    if element_size is not None:
+        _positive("element_size", element_size)
     if dst.dim() < 3 or not dst.is_contiguous():
         raise ValueError(f"dst must be a contiguous page_first host buffer (slots, layers, ...), got shape "
                          f"{tuple(dst.shape)}")
@@ -253,11 +295,19 @@ def transfer_hicache_all_layer_staged_lf_pf(
     block_quota: int | None = None,
 ) -> None:
     size, layout_dim = staged_geometry(staging_k, dst_k, element_size)
+    # One slot count serves both tables below: V's buffer must be K's twin.
+    if (not isinstance(dst_v, torch.Tensor) or (dst_v.shape, dst_v.dtype) != (dst_k.shape, dst_k.dtype)
+            or not dst_v.is_contiguous()):
+        got = (f"{tuple(dst_v.shape)} {dst_v.dtype}" if isinstance(dst_v, torch.Tensor) else type(dst_v).__name__)
+        raise ValueError(f"dst_v must be a contiguous tensor of dst_k's shape and dtype ({tuple(dst_k.shape)} "
+                         f"{dst_k.dtype}), got {got}")
     device, layers = k_ptr_src.device, dst_k.shape[1]
+    # The host buffers are tensors here, so their slot count is known and the kernel checks dst_indices.
     ops.transfer_pointer_tables((host_layer_table(dst_k, layers, size, device),
                                  host_layer_table(dst_v, layers, size, device)), dst_indices,
                                 (k_ptr_src, v_ptr_src), src_indices, dst_stride_bytes=layout_dim,
-                                src_stride_bytes=size, element_size=size, block_quota=block_quota)
+                                src_stride_bytes=size, element_size=size, block_quota=block_quota,
+                                dst_rows=dst_k.shape[0])
 
 
 def transfer_hicache_all_layer_mla_staged_lf_pf(
@@ -275,7 +325,7 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(
     size, layout_dim = staged_geometry(staging, dst, element_size)
     ops.transfer_pointer_tables(host_layer_table(dst, dst.shape[1], size, ptr_src.device), dst_indices, ptr_src,
                                 src_indices, dst_stride_bytes=layout_dim, src_stride_bytes=size,
-                                element_size=size, block_quota=block_quota)
+                                element_size=size, block_quota=block_quota, dst_rows=dst.shape[0])
 
 
 # ---------------------------------------------------------------------------
@@ -291,16 +341,23 @@ _MHA_PAGES = "(page, head_group, layer, 2, page_size, head_in_group, dim)"
 _MLA_PAGES = "MLA (page, layer, page_size, dim)"
 
 
-def page_unified_rows(pages: torch.Tensor, page_size: int, rows_per_page: int) -> torch.Tensor:
-    """Flat host row of each token of ``pages`` (page IDs), offset 0 in a page."""
-    offsets = torch.arange(page_size, device=pages.device, dtype=torch.int64)
-    return (pages.to(torch.int64)[:, None] * rows_per_page + offsets).reshape(-1)
-
-
-def _token_rows(indices: torch.Tensor, page_size: int, rows_per_page: int) -> torch.Tensor:
-    indices = indices.to(torch.int64)
-    rows = torch.div(indices, page_size, rounding_mode="floor") * rows_per_page + torch.remainder(indices, page_size)
-    return torch.where(indices < 0, indices, rows)  # keep the padding convention
+def page_unified_rows(pages: torch.Tensor, page_size: int, rows_per_page: int, page_count: int | None = None, *,
+                      name: str = "pages") -> torch.Tensor:
+    """Flat row of each token of ``pages`` (page IDs): ``page * rows_per_page + offset`` for offsets 0 to
+    ``page_size - 1``; every row of a negative page is -1 (skipped). With ``page_count`` (the pool's
+    pages) a page ID outside the pool is refused before it multiplies (bounds.token_rows: an error for
+    CPU pages, a row the kernel refuses for GPU pages); without it (a pool seen only through raw
+    addresses) the product is formed as given."""
+    if page_count is None:
+        first = pages.to(torch.int64) * rows_per_page
+    else:
+        first = bounds.token_rows(name, pages, page_size=1, page_rows=rows_per_page, slots=page_count)
+    first = first[:, None]
+    rows = first + torch.arange(page_size, device=first.device, dtype=torch.int64)
+    rows = torch.where(first < 0, -1, rows)
+    if page_count is not None and first.is_cuda:
+        rows = torch.where(first == bounds.PAST_THE_END, bounds.PAST_THE_END, rows)
+    return rows.reshape(-1)
 
 
 def _check_pages(name: str, t, shape: str, dims: int, kv_dim: int | None = None) -> None:
@@ -315,16 +372,6 @@ def _check_pages(name: str, t, shape: str, dims: int, kv_dim: int | None = None)
     if any(d <= 0 for d in t.shape[1:]) or (kv_dim is not None and t.shape[kv_dim] != 2):
         kv = " and the K/V dimension must be 2" if kv_dim is not None else ""
         raise ValueError(f"{name}: page dimensions must be positive{kv}, got shape {tuple(t.shape)}")
-
-
-def _check_layer_id(layer_id, layers: int) -> int:
-    try:
-        layer = operator.index(layer_id)
-    except TypeError:
-        raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}") from None
-    if not 0 <= layer < layers:
-        raise ValueError(f"layer_id {layer} is out of range for a host pool of {layers} layers")
-    return layer
 
 
 def _check_page_unified_src(src: torch.Tensor) -> None:
@@ -349,12 +396,13 @@ def transfer_hicache_one_layer_page_unified_lf(
     _check_pages("src", src, _MHA_PAGES, 7, kv_dim=3)
     _check_page_unified_src(src)
     _, groups, layers, _, page_size, heads_in_group, dim = src.shape
-    layer_id = _check_layer_id(layer_id, layers)
+    layer_id = bounds.check_layer(layer_id, layers, pool="a host pool")
     ops.check_index_tensor("src_indices", src_indices)
     group_elems = heads_in_group * dim
     flat = src.view(-1, group_elems)
     rows_per_page = groups * layers * 2 * page_size
-    host_rows = _token_rows(src_indices, page_size, rows_per_page)
+    host_rows = bounds.token_rows("src_indices", src_indices, page_size=page_size, page_rows=rows_per_page,
+                                  slots=src.shape[0] * page_size)
     k_dst = k_cache_dst.view(k_cache_dst.shape[0], -1, dim)
     v_dst = v_cache_dst.view(v_cache_dst.shape[0], -1, dim)
     span = flat.shape[0] - (groups * layers * 2 - 1) * page_size  # rows every group's K and V view can hold
@@ -379,12 +427,13 @@ def transfer_hicache_one_layer_mla_page_unified_lf(
     _check_pages("src", src, _MLA_PAGES, 4)
     _check_page_unified_src(src)
     _, layers, page_size, dim = src.shape
-    layer_id = _check_layer_id(layer_id, layers)
+    layer_id = bounds.check_layer(layer_id, layers, pool="a host pool")
     ops.check_index_tensor("src_indices", src_indices)
     if not isinstance(cache_dst, torch.Tensor):
         raise TypeError(f"cache_dst must be a torch.Tensor, got {type(cache_dst).__name__}")
     flat = src.view(-1, dim)
-    host_rows = _token_rows(src_indices, page_size, layers * page_size)
+    host_rows = bounds.token_rows("src_indices", src_indices, page_size=page_size, page_rows=layers * page_size,
+                                  slots=src.shape[0] * page_size)
     ops.transfer_one_layer_mla(cache_dst.view(cache_dst.shape[0], -1), dst_indices, flat[layer_id * page_size:],
                                host_rows, block_quota=block_quota)
 
@@ -436,8 +485,12 @@ def transfer_hicache_all_layer_staged_lf_page_unified(
     itemsize = dst.element_size()
     group_bytes = heads_in_group * dim * itemsize
     device = k_ptr_src.device
+    rows_per_page = groups * layers * 2 * page_size
     src_rows = page_unified_rows(src_pages.to(device), page_size, page_size)
-    dst_rows = page_unified_rows(dst_pages.to(device), page_size, groups * layers * 2 * page_size)
+    dst_rows = page_unified_rows(dst_pages, page_size, rows_per_page, dst.shape[0], name="dst_pages").to(device)
+    # Every table below starts inside page 0, at most rows_per_page - page_size rows in: from each, the
+    # rows of dst that remain are at least this many, and a row in the pool is below it.
+    dst_slots = (dst.shape[0] - 1) * rows_per_page + page_size
     src_stride = groups * group_bytes  # a device token row holds every head group
     for g in range(groups):
         k_offsets = [((g * layers + layer) * 2) * page_size * group_bytes for layer in range(layers)]
@@ -446,7 +499,7 @@ def transfer_hicache_all_layer_staged_lf_page_unified(
         ops.transfer_pointer_tables((k_table, v_table), dst_rows,
                                     (_shifted(k_ptr_src, g * group_bytes), _shifted(v_ptr_src, g * group_bytes)),
                                     src_rows, dst_stride_bytes=group_bytes, src_stride_bytes=src_stride,
-                                    element_size=group_bytes)
+                                    element_size=group_bytes, dst_rows=dst_slots)
 
 
 def transfer_hicache_all_layer_mla_staged_lf_page_unified(
@@ -465,9 +518,11 @@ def transfer_hicache_all_layer_mla_staged_lf_page_unified(
     row_bytes = dim * dst.element_size()
     device = ptr_src.device
     table = _layer_offsets_table(dst.data_ptr(), [layer * page_size * row_bytes for layer in range(layers)], device)
-    ops.transfer_pointer_tables(table, page_unified_rows(dst_pages.to(device), page_size, layers * page_size),
-                                ptr_src, page_unified_rows(src_pages.to(device), page_size, page_size),
-                                dst_stride_bytes=row_bytes, src_stride_bytes=row_bytes, element_size=row_bytes)
+    rows_per_page = layers * page_size
+    dst_rows = page_unified_rows(dst_pages, page_size, rows_per_page, dst.shape[0], name="dst_pages").to(device)
+    ops.transfer_pointer_tables(table, dst_rows, ptr_src, page_unified_rows(src_pages.to(device), page_size, page_size),
+                                dst_stride_bytes=row_bytes, src_stride_bytes=row_bytes, element_size=row_bytes,
+                                dst_rows=(dst.shape[0] - 1) * rows_per_page + page_size)
 
 
 __all__ = [

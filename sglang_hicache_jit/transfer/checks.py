@@ -9,8 +9,8 @@ import math
 import torch
 
 from .. import settings
-from ..errors import TransferIndexError
 from .abi import _METHODS, _RESIDENT
+from .bounds import check_rows
 
 # Environment settings, read once: os.environ costs a microsecond per look-up
 # on a path that must stay cheap. reload_settings() re-reads them.
@@ -26,6 +26,10 @@ class _Side:
     def __init__(self, name: str, t, element_dim: int | None, *, written: bool):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if element_dim is not None and (isinstance(element_dim, bool) or not isinstance(element_dim, int)
+                                        or element_dim < 1):
+            # Checked here, off the plans' path: a bad element_dim never gets a plan.
+            raise ValueError(f"element_dim must be a positive int (elements per row), got {element_dim!r}")
         if element_dim is not None and (t.dim() < 2 or math.prod(t.shape[1:]) != element_dim):
             try:
                 t = t.view(-1, element_dim)
@@ -48,6 +52,10 @@ class _Side:
                     f"stride 1); got shape {tuple(shape)} with strides {strides}"
                 )
             expected *= size
+        if not shape[0] or not expected:
+            # An empty tensor has no address (data pointer 0): the launcher refused it as "invalid
+            # transfer arguments", which named neither the argument nor the shape.
+            raise ValueError(f"{name} must hold at least one slot of at least one element; got shape {tuple(shape)}")
         itemsize = t.element_size()
         self.row_bytes = expected * itemsize
         self.stride = strides[0] * itemsize
@@ -122,6 +130,8 @@ def check_index_tensor(name: str, idx) -> None:
         raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
     if idx.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
+    if idx.is_meta:  # every path reads the indices, on the host or the GPU; torch raised NotImplementedError
+        raise ValueError(f"{name} must be on the CPU or a GPU, got a meta tensor (it holds no data)")
 
 
 def _check_indices(name: str, idx, device: int) -> None:
@@ -134,8 +144,8 @@ def _check_indices(name: str, idx, device: int) -> None:
 
 
 def _check_range(name: str, idx: torch.Tensor, rows: int) -> None:
-    if rows >= 0 and idx.numel() and int(idx.max()) >= rows:
-        raise TransferIndexError(f"{name} holds index {int(idx.max())}, but its pool has only {rows} slots")
+    if rows >= 0:  # -1: a raw pointer table, whose pool size is unknown
+        check_rows(name, idx, rows)
 
 
 def _gpu_indices(indices_dst, indices_src, device: int, dst_rows: int, src_rows: int):

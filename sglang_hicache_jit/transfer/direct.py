@@ -43,7 +43,7 @@ import threading
 
 import torch
 
-from ..errors import TransferIndexError
+from .bounds import PAST_THE_END, check_rows
 from .checks import check_index_tensor
 
 log = logging.getLogger("sglang_hicache_jit.direct")  # its name from before the move to a subpackage (issue 20)
@@ -101,13 +101,17 @@ class Rows:
             raise ValueError(f"{name} has overlapping rows (slot stride {self.stride} B < row {self.row_bytes} B)")
 
     @classmethod
-    def at(cls, ptr: int, stride: int, row_bytes: int, device: int, rows: int = 1 << 62) -> "Rows":
+    def at(cls, ptr: int, stride: int, row_bytes: int, device: int, rows: int | None = None) -> "Rows":
         """Rows at a raw address (an entry of a pool's per-layer pointer table).
 
         The caller vouches for the address; the pool size is unknown unless
-        given, so only the other side's bounds are checked. Host and device
-        addresses alike: copies use cudaMemcpyDefault, which tells them apart.
+        given, so only the other side's bounds are checked. Unknown, it is the
+        most slots whose addresses stay below 2**63, so that no index can wrap
+        an address around to below ``ptr``. Host and device addresses alike:
+        copies use cudaMemcpyDefault, which tells them apart.
         """
+        if rows is None:
+            rows = (PAST_THE_END - int(ptr)) // max(int(stride), int(row_bytes), 1)
         rows_ = cls.__new__(cls)
         rows_.tensor, rows_.ptr, rows_.stride, rows_.row_bytes = None, int(ptr), int(stride), int(row_bytes)
         rows_.rows, rows_.device, rows_.dtype = rows, device, None
@@ -222,7 +226,10 @@ def whole_pages(indices: torch.Tensor, page_size: int, *, aligned: bool = False)
         return None
     pages = indices.view(-1, page_size)
     starts = pages[:, 0]
-    if bool((starts < 0).any()) or (aligned and bool((starts % page_size).any())):
+    # A page's last slot, start + page_size - 1, must not pass 2**63 - 1: then the int64 subtraction
+    # below cannot wrap, and a page equal to its start plus 0..page_size-1 is exactly that page.
+    if bool(((starts < 0) | (starts > PAST_THE_END - (page_size - 1))).any()) or (
+            aligned and bool((starts % page_size).any())):
         return None
     if not torch.equal(pages - starts[:, None], torch.arange(page_size).expand_as(pages)):
         return None
@@ -258,13 +265,10 @@ def split_runs(runs: Runs, max_rows: int) -> Runs:
 
 
 def check_bounds(runs: Runs, dst_rows: int, src_rows: int) -> None:
-    """Raises TransferIndexError if a run reaches past the end of either side."""
-    if not len(runs):
-        return
-    for name, start, rows in (("indices_dst", runs.dst_start, dst_rows), ("indices_src", runs.src_start, src_rows)):
-        last = int((start + runs.length).max()) - 1
-        if last >= rows:
-            raise TransferIndexError(f"{name} holds index {last}, but that side has only {rows} slots")
+    """Raises TransferIndexError if a run reaches past the end of either side (bounds.py: without
+    wrap-around, before describe_copies computes an address)."""
+    check_rows("indices_dst", runs.dst_start, dst_rows, runs.length, pool="that side")
+    check_rows("indices_src", runs.src_start, src_rows, runs.length, pool="that side")
 
 
 class _MemLocation(ctypes.Structure):
@@ -414,6 +418,7 @@ class CudaRuntime:
         lib.cudaMemcpy2DAsync.argtypes = [ptr, size_t, ptr, size_t, size_t, size_t, ctypes.c_int, ptr]
         lib.cudaHostRegister.argtypes = [ptr, size_t, ctypes.c_uint]
         lib.cudaHostUnregister.argtypes = [ptr]
+        lib.cudaPointerGetAttributes.argtypes = [ptr, ptr]
         self._batch = getattr(lib, "cudaMemcpy3DBatchAsync", None)
         # CUDA 12.8-12.9 take a failIdx out-pointer that 13.0 dropped.
         self._batch_has_fail_idx = self.version < 13000
@@ -468,6 +473,16 @@ class CudaRuntime:
 
     def host_unregister(self, ptr: int) -> None:
         self.check(self.lib.cudaHostUnregister(ptr), "cudaHostUnregister")
+
+    def host_registered(self, ptr: int) -> bool:
+        """Whether host address ``ptr`` is in memory pinned by CUDA, by cudaHostAlloc (torch's pinned
+        memory) or cudaHostRegister (the pools'): one cudaPointerGetAttributes call, whose struct begins
+        with the memory type (cudaMemoryTypeHost is 1). cudaHostGetFlags answers only for the first kind."""
+        attributes = ctypes.create_string_buffer(256)  # struct cudaPointerAttributes: 88 bytes in CUDA 13
+        if self.lib.cudaPointerGetAttributes(attributes, ptr):
+            self.lib.cudaGetLastError()  # clear the non-sticky error, or a later torch check reports it
+            return False
+        return ctypes.c_int.from_buffer(attributes).value == 1
 
 
 class DriverBatchError(RuntimeError):

@@ -43,9 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import direct
+from . import bounds, direct
 from .. import settings
-from ..errors import TransferIndexError
 from .checks import check_dense, check_index_tensor
 from .slot_allocator import SlotAllocator
 
@@ -297,13 +296,12 @@ class HostKVPool:
 
     def translate_host_indices(self, host_indices: torch.Tensor) -> torch.Tensor:
         """Host token indices -> row indices of the per-layer views (identity except
-        for page_first_direct with several layers). Negative indices stay negative."""
+        for page_first_direct with several layers). Negative indices stay negative; an
+        index past the pool is refused before it is multiplied (bounds.token_rows)."""
         if self.layout != "page_first_direct" or self.layer_num == 1:
             return host_indices
-        t = host_indices.long()
-        page_rows = self.layer_num * self.page_size
-        mapped = torch.div(t, self.page_size, rounding_mode="floor") * page_rows + t.remainder(self.page_size)
-        return torch.where(t >= 0, mapped, t)
+        return bounds.token_rows("host_indices", host_indices, page_size=self.page_size,
+                                 page_rows=self.layer_num * self.page_size, slots=self.size)
 
     def _check_index_pair(self, host_indices, device_indices) -> None:
         for name, indices in (("host_indices", host_indices), ("device_indices", device_indices)):
@@ -431,9 +429,7 @@ class HostKVPool:
         # GPU indices come back to the CPU here (a host sync): copies are issued from the host.
         host_indices = (indices_dst if host_is_dst else indices_src).to("cpu", torch.int64)
         device_indices = (indices_src if host_is_dst else indices_dst).to("cpu", torch.int64)
-        if host_indices.numel() and int(host_indices.max()) >= self.size:
-            raise TransferIndexError(f"host_indices holds index {int(host_indices.max())}, but the host pool has "
-                                     f"only {self.size} slots")
+        bounds.check_rows("host_indices", host_indices, self.size, pool="the host pool")
         # Planned one entry per page when the indices are whole pages (direct.plan_runs).
         to_rows = self.translate_host_indices if self.layout == "page_first_direct" else None
         host_side, device_side = (host_indices, to_rows), (device_indices, None)

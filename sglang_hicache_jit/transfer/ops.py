@@ -66,7 +66,8 @@ def transfer_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *, el
     device = _device_of(dst, src)
     plan = _Plan(device, dst_bases=(dst.ptr, 0), src_bases=(src.ptr, 0), dst_tables=(0, 0), src_tables=(0, 0),
                  num_layers=1, dst_stride=dst.stride, src_stride=src.stride, row_bytes=dst.row_bytes,
-                 dst_rows=dst.rows, src_rows=src.rows, to_device=src.device is None, quota=quota, method=method)
+                 dst_rows=dst.rows, src_rows=src.rows, to_device=src.device is None, quota=quota, method=method,
+                 host_memory=_host_memory(("cache_dst", dst), ("cache_src", src)))
     if key is not None:
         _keep(plans, key, plan, (root_dst, root_src))
     return plan.run(indices_dst, indices_src)
@@ -116,10 +117,27 @@ def transfer_one_layer(k_dst, v_dst, indices_dst, k_src, v_src, indices_src, *, 
     device = _device_of(kd, vd, ks, vs)
     plan = _Plan(device, dst_bases=(kd.ptr, vd.ptr), src_bases=(ks.ptr, vs.ptr), dst_tables=(0, 0),
                  src_tables=(0, 0), num_layers=1, dst_stride=kd.stride, src_stride=ks.stride, row_bytes=kd.row_bytes,
-                 dst_rows=kd.rows, src_rows=ks.rows, to_device=ks.device is None, quota=quota, method=method)
+                 dst_rows=kd.rows, src_rows=ks.rows, to_device=ks.device is None, quota=quota, method=method,
+                 host_memory=_host_memory(("k_dst", kd), ("v_dst", vd), ("k_src", ks), ("v_src", vs)))
     if key is not None:
         _keep(plans, key, plan, roots)
     return plan.run(indices_dst, indices_src)
+
+
+def _host_memory(*sides) -> tuple:
+    """(name, address) of each host-memory side: what a plan checks is still pinned on every run."""
+    return tuple((name, side.ptr) for name, side in sides if side.device is None)
+
+
+def _table_host_memory(table: LayerTable) -> tuple:
+    """_host_memory for a LayerTable in host memory: the first and the last layer of each cache (a pool's
+    layers share one buffer, pinned or unpinned as a whole; asking for every layer would cost a CUDA
+    call per layer and transfer)."""
+    if table.device is not None:
+        return ()
+    labels = [table.name] if table.num_caches == 1 else [f"{table.name}[k]", f"{table.name}[v]"]
+    return tuple((f"{label}[{i}]", sides[i].ptr) for label, sides in zip(labels, table.sides)
+                 for i in sorted({0, len(sides) - 1}))
 
 
 def transfer_all_layer(tables_dst, indices_dst, tables_src, indices_src, *, block_quota=None, method=None) -> str:
@@ -162,7 +180,8 @@ def transfer_all_layer(tables_dst, indices_dst, tables_src, indices_src, *, bloc
     plan = _Plan(device, dst_bases=(0, 0), src_bases=(0, 0), dst_tables=dst.tables(device),
                  src_tables=src.tables(device), num_layers=dst.num_layers, dst_stride=dst.stride,
                  src_stride=src.stride, row_bytes=dst.row_bytes, dst_rows=dst.rows, src_rows=src.rows,
-                 to_device=src.device is None, quota=quota, method=method)
+                 to_device=src.device is None, quota=quota, method=method,
+                 host_memory=_table_host_memory(dst) + _table_host_memory(src))
     # The plan holds the addresses of the LayerTables' device pointer tables,
     # which live as long as the LayerTables, which the refs check.
     if key is not None:
@@ -171,13 +190,16 @@ def transfer_all_layer(tables_dst, indices_dst, tables_src, indices_src, *, bloc
 
 
 def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *, dst_stride_bytes: int,
-                            src_stride_bytes: int, element_size: int, block_quota=None, method=None) -> str:
+                            src_stride_bytes: int, element_size: int, block_quota=None, method=None,
+                            dst_rows: int | None = None, src_rows: int | None = None) -> str:
     """All-layer copy from raw per-layer address tables (what SGLang's pools keep).
 
     ``tables_dst`` / ``tables_src`` are ``(k_table, v_table)`` pairs or a
     single table for MLA: 1-D uint64 CUDA tensors with one row-0 address per
-    layer. The kernel cannot know the pools' sizes here, so index ranges are
-    not checked: pass valid indices (or use LayerTable, which checks). Nor
+    layer. The kernel cannot know the pools' sizes from addresses: pass
+    ``dst_rows`` / ``src_rows`` (the slots every layer of that side holds)
+    where you know them, and the indices are checked as in the other ops;
+    a side left at None is not checked (or use LayerTable, which checks). Nor
     does it know which side is host memory, so 'auto' means plain loads and
     stores, which are fast in both directions (the bulk engine wins only for
     host -> GPU; ask for method='bulk' there).
@@ -198,6 +220,9 @@ def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *,
                 raise ValueError(f"{name} must be a non-negative multiple of 4 bytes, got {value!r}")
         if element_size == 0:
             raise ValueError("element_size must be positive")
+    for name, value in (("dst_rows", dst_rows), ("src_rows", src_rows)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be None (unknown) or a positive int (slots of that side), got {value!r}")
     quota = 0 if block_quota is None else _quota(block_quota)
     # Pools back up every layer through the same pointer tables on every
     # call: a plan for them skips the table checks and the struct build. The
@@ -210,7 +235,7 @@ def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *,
     except AttributeError:  # this thread's first transfer
         plans = _plan_cache()
     tables = dst + src
-    key = [len(dst), dst_stride_bytes, src_stride_bytes, element_size, quota, method]
+    key = [len(dst), dst_stride_bytes, src_stride_bytes, element_size, quota, method, dst_rows, src_rows]
     try:
         for t in tables:
             if not isinstance(t, torch.Tensor):
@@ -230,15 +255,17 @@ def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *,
     dst = [first] + [_pointer_table("tables_dst", t, device) for t in dst[1:]]
     src = [_pointer_table("tables_src", t, device) for t in src]
     layers = {t.numel() for t in dst + src}
-    if len(layers) != 1:
-        raise ValueError(f"every pointer table must have the same number of layers, got {sorted(layers)}")
+    if len(layers) != 1 or 0 in layers:
+        raise ValueError(f"every pointer table must have the same number of layers, at least one, got "
+                         f"{sorted(layers)}")
     pad = [0, 0]
     dst_ptrs = [t.data_ptr() for t in dst] + pad[len(dst):]
     src_ptrs = [t.data_ptr() for t in src] + pad[len(src):]
     plan = _Plan(device, dst_bases=(0, 0), src_bases=(0, 0), dst_tables=tuple(dst_ptrs[:2]),
                  src_tables=tuple(src_ptrs[:2]), num_layers=layers.pop(), dst_stride=dst_stride_bytes,
-                 src_stride=src_stride_bytes, row_bytes=element_size, dst_rows=-1, src_rows=-1, to_device=False,
-                 quota=quota, method=method)
+                 src_stride=src_stride_bytes, row_bytes=element_size,
+                 dst_rows=-1 if dst_rows is None else dst_rows, src_rows=-1 if src_rows is None else src_rows,
+                 to_device=False, quota=quota, method=method)
     # Kept only when the plan holds the caller's own tables: a non-contiguous
     # table was copied above, and that copy dies with this call.
     if key is not None and all(a is b for a, b in zip(dst + src, tables)):

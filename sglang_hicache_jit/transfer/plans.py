@@ -13,6 +13,7 @@ import torch
 from .. import settings
 from .abi import _CTransfer, _HINT_DST_DEVICE, _NO_ERRORS, _RESIDENT, METHOD_NAMES
 from .checks import _gpu_indices, _method_code, _settings
+from .direct import cuda_runtime
 from .launcher import _raise_reported, _state
 
 # Bulk-copy tuning passed to the kernel; 0 keeps the kernel's measured default.
@@ -69,20 +70,28 @@ class _Plan:
     roots (or LayerTables), checked on every hit: a plan keeps nothing alive
     and a dead root's reused id never matches. Every address a hit launches
     with is that of a tensor the caller passes, so no freed memory is reached.
+
+    What the key cannot see is host memory unpinned under the same tensor
+    (``cudaHostUnregister``, which SGLang's teardown calls on its host pools):
+    the kernel would then fault on it, a sticky error that ends the process. So
+    every run first asks CUDA whether each host address in ``host_memory``
+    (name, address) is still pinned, and raises a ValueError naming the cache
+    if not.
     """
 
     __slots__ = ("refs", "state", "device", "cuda_device", "strict", "resident", "dst_rows", "src_rows", "op_args",
-                 "spec", "spec_addr", "method_used", "method_used_addr")
+                 "spec", "spec_addr", "method_used", "method_used_addr", "host_memory")
 
     def __init__(self, device: int, *, dst_bases, src_bases, dst_tables, src_tables, num_layers: int,
                  dst_stride: int, src_stride: int, row_bytes: int, dst_rows: int, src_rows: int, to_device: bool,
-                 quota: int, method):
+                 quota: int, method, host_memory=()):
         if not _settings:
             reload_settings()
         method_code = _method_code(method, to_device)
         # The resident flag picks the submission (_DeviceState._submit_resident); the struct holds the method alone.
         self.resident = bool(method_code & _RESIDENT)
         self.refs = ()
+        self.host_memory = tuple(host_memory)
         self.state = state = _state(device)
         self.device, self.cuda_device = device, torch.device("cuda", device)
         self.strict = _settings["strict"]
@@ -106,6 +115,13 @@ class _Plan:
         state = self.state
         if state.error_bytes.raw != _NO_ERRORS:
             _raise_reported(state)
+        for name, address in self.host_memory:
+            if not _host_registered(address):
+                raise ValueError(
+                    f"{name} is host memory (at {address:#x}) that is no longer pinned: it was unregistered "
+                    "(cudaHostUnregister, as SGLang's teardown does) or freed. The kernel reads and writes host "
+                    "memory directly, so it must stay pinned while transfers use it: pin it again, or stop "
+                    "transferring to and from it")
         # The common case, told by a few attribute reads: both 1-D and
         # contiguous (stride (1,)), one index dtype, equal lengths, both on
         # this GPU or both on the CPU. Anything else, and strict mode, takes
@@ -122,16 +138,26 @@ class _Plan:
         if where == self.cuda_device:
             dst_ptr, src_ptr = indices_dst.data_ptr(), indices_src.data_ptr()
         elif where == _CPU:
-            # One pinned staging copy for both (as _gpu_indices), uploaded as
-            # one tensor; the kernel takes addresses, so no views are cut.
-            staged = torch.cat((indices_dst, indices_src)).pin_memory().to(self.cuda_device, non_blocking=True)
-            dst_ptr = staged.data_ptr()
-            src_ptr = dst_ptr + count * index_bytes
+            if count:
+                # One pinned staging copy for both (as _gpu_indices), uploaded as
+                # one tensor; the kernel takes addresses, so no views are cut.
+                staged = torch.cat((indices_dst, indices_src)).pin_memory().to(self.cuda_device, non_blocking=True)
+                dst_ptr = staged.data_ptr()
+                src_ptr = dst_ptr + count * index_bytes
+            else:  # nothing to upload (see below)
+                dst_ptr = src_ptr = 0
         else:
             indices_dst, indices_src = _gpu_indices(indices_dst, indices_src, self.device, self.dst_rows,
                                                     self.src_rows)
             dst_ptr, src_ptr = indices_dst.data_ptr(), indices_src.data_ptr()
             index_bytes, count = indices_dst.element_size(), indices_dst.numel()
+        if not count:
+            # Nothing to copy, a no-op. An empty index tensor has no address (0), which the launcher
+            # refused as "invalid transfer arguments"; given num_items 0 it picks the method and returns
+            # before it reads an index, so any non-null address will do.
+            if state._launch_c is None:  # the torch op reads the tensors' own addresses: launch nothing
+                return METHOD_NAMES.get(self.op_args[16] & ~_RESIDENT) or "plain"
+            dst_ptr = src_ptr = self.spec_addr
         if state._launch_c is None:  # no C entry points: the torch op, which takes tensors
             if staged is not None:
                 indices_dst, indices_src = staged[:count], staged[count:]
@@ -142,6 +168,11 @@ class _Plan:
             return METHOD_NAMES[state._submit_resident(spec)]
         state.submit(self.spec_addr, self.method_used_addr)
         return METHOD_NAMES[self.method_used.value]
+
+
+def _host_registered(address: int) -> bool:
+    """Whether host ``address`` is still pinned (a module-level name, so tests without a GPU replace it)."""
+    return cuda_runtime().host_registered(address)
 
 
 # Per-thread plan caches: a plan's struct is written on every call, so two

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import threading
 import weakref
 
@@ -41,7 +42,7 @@ import torch
 
 from .. import compat
 from ... import settings
-from ...transfer import direct, ops
+from ...transfer import bounds, direct, ops
 from ...errors import BadSettingError
 from ...transfer.probe import probe
 
@@ -118,9 +119,12 @@ def _addresses(table: torch.Tensor) -> list[int]:
     return values
 
 
-def _raw_pairs(dst_table, src_table, dst_stride: int, src_stride: int, row_bytes: int) -> list:
+def _raw_pairs(dst_table, src_table, dst_stride: int, src_stride: int, row_bytes: int, *, dst_rows=None,
+               src_rows=None) -> list:
+    """(dst, src) rows per layer of two pointer tables; a side's slot count where the caller knows it."""
     device = (src_table if src_table.is_cuda else dst_table).device.index
-    return [(direct.Rows.at(d, dst_stride, row_bytes, device), direct.Rows.at(s, src_stride, row_bytes, device))
+    return [(direct.Rows.at(d, dst_stride, row_bytes, device, dst_rows),
+             direct.Rows.at(s, src_stride, row_bytes, device, src_rows))
             for d, s in zip(_addresses(dst_table), _addresses(src_table))]
 
 
@@ -143,13 +147,20 @@ def _view_rows(t: torch.Tensor, row_elems: int) -> torch.Tensor:
     return t.view(-1, row_elems) if t.dim() != 2 or t.shape[1] != row_elems else t
 
 
-def layer_of(buffer: torch.Tensor, layer_id: int, item_size: int, layout_dim: int) -> torch.Tensor:
+def layer_of(buffer: torch.Tensor, layer_id: int, item_size: int, layout_dim: int, name: str = "src") -> torch.Tensor:
     """Rows of one layer inside a page_first buffer: ``(slots, row)``, stride ``layout_dim`` bytes."""
+    compat._cache(name, buffer)
+    compat._positive("item_size", item_size)
     itemsize = buffer.element_size()
     flat = buffer.view(buffer.shape[0], -1)
     if flat.shape[1] * itemsize != layout_dim:
-        raise ValueError(f"a token of this buffer holds {flat.shape[1] * itemsize} bytes, not "
+        raise ValueError(f"a token of {name} holds {flat.shape[1] * itemsize} bytes, not "
                          f"src_layout_dim={layout_dim}")
+    if item_size % itemsize or layout_dim % item_size:
+        raise ValueError(f"item_size={item_size} must be a whole number of {buffer.dtype} elements and divide "
+                         f"src_layout_dim={layout_dim} (one row per layer)")
+    # In range, or flat[:, -2 * e:] would be layer L-2 (Python's negative indexing) and layer L past the end.
+    layer_id = bounds.check_layer(layer_id, layout_dim // item_size, pool=f"{name} (a page_first buffer)")
     e = item_size // itemsize
     return flat[:, layer_id * e:(layer_id + 1) * e]
 
@@ -199,12 +210,13 @@ def transfer_hicache_one_layer(
     block_quota: int | None = None,
     page_size: int | None = None,
 ) -> None:
-    element_dim = element_dim or k_cache_dst.size(-1)
+    element_dim = compat._element_dim(element_dim, k_cache_dst, "k_cache_dst")
     if kernel_available(element_dim * k_cache_dst.element_size()):
         # ops directly, not through compat: this is the per-layer hot path (one frame less).
         ops.transfer_one_layer(k_cache_dst, v_cache_dst, indices_dst, k_cache_src, v_cache_src, indices_src,
                                element_dim=element_dim, block_quota=block_quota)
         return
+    compat._whole_rows(element_dim, v_cache_dst=v_cache_dst, k_cache_src=k_cache_src, v_cache_src=v_cache_src)
     _copy([(_view_rows(k_cache_dst, element_dim), _view_rows(k_cache_src, element_dim)),
            (_view_rows(v_cache_dst, element_dim), _view_rows(v_cache_src, element_dim))], indices_dst, indices_src)
 
@@ -220,11 +232,12 @@ def transfer_hicache_one_layer_mla(
     block_quota: int | None = None,
     page_size: int | None = None,
 ) -> None:
-    element_dim = element_dim or cache_dst.size(-1)
+    element_dim = compat._element_dim(element_dim, cache_dst, "cache_dst")
     if kernel_available(element_dim * cache_dst.element_size()):
         ops.transfer_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, element_dim=element_dim,
                                    block_quota=block_quota)
         return
+    compat._whole_rows(element_dim, cache_src=cache_src)
     _copy([(_view_rows(cache_dst, element_dim), _view_rows(cache_src, element_dim))], indices_dst, indices_src)
 
 
@@ -382,6 +395,8 @@ def _one_layer(pairs_kv: list, indices_dst, indices_src, item_size: int, block_q
 
 
 def _packed_rows(t: torch.Tensor, item_size: int, name: str) -> torch.Tensor:
+    compat._cache(name, t)
+    compat._positive("item_size", item_size)
     itemsize = t.element_size()
     if item_size % itemsize:
         raise ValueError(f"item_size={item_size} is not a whole number of {t.dtype} elements")
@@ -400,8 +415,8 @@ def transfer_kv_per_layer(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, 
 
 def transfer_kv_per_layer_pf_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size,
                                 src_layout_dim, block_quota=None, num_warps_per_block=32):
-    _one_layer([(_packed_rows(dst_k, item_size, "dst_k"), layer_of(src_k, layer_id, item_size, src_layout_dim)),
-                (_packed_rows(dst_v, item_size, "dst_v"), layer_of(src_v, layer_id, item_size, src_layout_dim))],
+    _one_layer([(_packed_rows(dst_k, item_size, "dst_k"), layer_of(src_k, layer_id, item_size, src_layout_dim, "src_k")),
+                (_packed_rows(dst_v, item_size, "dst_v"), layer_of(src_v, layer_id, item_size, src_layout_dim, "src_v"))],
                dst_indices, src_indices, item_size, block_quota)
 
 
@@ -422,21 +437,26 @@ def transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id
 
 
 def _all_layers(dst_tables, src_tables, indices_dst, indices_src, *, dst_stride, src_stride, item_size,
-                block_quota) -> None:
+                block_quota, dst_rows=None) -> None:
+    """``dst_rows``: the destination's slot count where the caller holds it as a tensor (the host
+    buffer of a page_first write-back), so that both paths check indices_dst against it."""
     if kernel_available(item_size):
         ops.transfer_pointer_tables(dst_tables if len(dst_tables) > 1 else dst_tables[0], indices_dst,
                                     src_tables if len(src_tables) > 1 else src_tables[0], indices_src,
                                     dst_stride_bytes=dst_stride, src_stride_bytes=src_stride, element_size=item_size,
-                                    block_quota=block_quota)
+                                    block_quota=block_quota, dst_rows=dst_rows)
         return
     pairs = []
     for d, s in zip(dst_tables, src_tables):
-        pairs += _raw_pairs(d, s, dst_stride, src_stride, item_size)
+        pairs += _raw_pairs(d, s, dst_stride, src_stride, item_size, dst_rows=dst_rows)
     _copy(pairs, indices_dst, indices_src)
 
 
 def _check_layers(num_layers, *tables) -> None:
+    compat._positive("num_layers", num_layers)
     for t in tables:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"a pointer table must be a torch.Tensor of uint64 addresses, got {type(t).__name__}")
         if t.numel() != num_layers:
             raise ValueError(f"num_layers={num_layers} but a pointer table holds {t.numel()} layers")
 
@@ -481,7 +501,9 @@ def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, ite
             if not hosts[0].is_pinned():
                 return False
             try:
-                area = staging.PageStaging([h.view(h.shape[0], num_layers, -1) for h in hosts], budget_bytes=budget,
+                # As bytes: the staging area only needs whole tokens of num_layers rows of item_size bytes.
+                area = staging.PageStaging([h.view(torch.uint8).view(-1, num_layers, item_size) for h in hosts],
+                                           budget_bytes=budget,
                                            device=src_tables[0].device, device_rows=1 << 62,
                                            gather=staging.pointer_table_gather(src_tables, item_size))
             except ValueError:  # no budget for a token (SGLANG_HICACHE_JIT_STAGING=0 turns staging off)
@@ -496,6 +518,7 @@ def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, ite
 def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size,
                                 dst_layout_dim, num_layers, block_quota=None, num_warps_per_block=32):
     _check_layers(num_layers, src_k_layers, src_v_layers)
+    slots = _page_first_slots(num_layers, item_size, dst_layout_dim, dst_k=dst_k, dst_v=dst_v)
     if _staged_lf_pf((dst_k, dst_v), (src_k_layers, src_v_layers), dst_indices, src_indices, item_size,
                      dst_layout_dim, num_layers):
         return
@@ -503,17 +526,38 @@ def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_in
     tables = (compat.host_layer_table(dst_k, num_layers, item_size, device),
               compat.host_layer_table(dst_v, num_layers, item_size, device))
     _all_layers(tables, (src_k_layers, src_v_layers), dst_indices, src_indices, dst_stride=dst_layout_dim,
-                src_stride=item_size, item_size=item_size, block_quota=block_quota)
+                src_stride=item_size, item_size=item_size, block_quota=block_quota, dst_rows=slots)
 
 
 def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim,
                                     num_layers, block_quota=None, num_warps_per_block=32):
     _check_layers(num_layers, src_layers)
+    slots = _page_first_slots(num_layers, item_size, dst_layout_dim, dst=dst)
     if _staged_lf_pf((dst,), (src_layers,), dst_indices, src_indices, item_size, dst_layout_dim, num_layers):
         return
     table = compat.host_layer_table(dst, num_layers, item_size, src_layers.device)
     _all_layers((table,), (src_layers,), dst_indices, src_indices, dst_stride=dst_layout_dim, src_stride=item_size,
-                item_size=item_size, block_quota=block_quota)
+                item_size=item_size, block_quota=block_quota, dst_rows=slots)
+
+
+def _page_first_slots(num_layers: int, item_size: int, layout_dim: int, **buffers) -> int:
+    """The token slots of page_first host buffers (argument name -> tensor) that pointer tables will
+    address as ``num_layers`` rows of ``item_size`` bytes at a stride of ``layout_dim`` bytes; each must
+    be contiguous, hold whole tokens of ``layout_dim`` bytes and every layer's row within a token."""
+    compat._positive("item_size", item_size)
+    compat._positive("dst_layout_dim", layout_dim)
+    if num_layers * item_size > layout_dim:
+        raise ValueError(f"{num_layers} layers of item_size={item_size} bytes do not fit in a token of "
+                         f"dst_layout_dim={layout_dim} bytes")
+    slots = None
+    for name, t in buffers.items():
+        compat._cache(name, t)
+        nbytes = t.numel() * t.element_size()
+        if not t.is_contiguous() or nbytes % layout_dim:
+            raise ValueError(f"{name} must be a contiguous page_first buffer of whole {layout_dim}-byte tokens, got "
+                             f"shape {tuple(t.shape)} of {t.dtype}")
+        slots = nbytes // layout_dim if slots is None else min(slots, nbytes // layout_dim)
+    return slots
 
 
 # page_head host layout: (pages, heads, page_size, layers, head_dim) per cache.
@@ -522,18 +566,40 @@ def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, i
 # rows addressed as page*(heads*page_size*layers) + offset*layers (+ head and
 # layer folded into the base).
 
-def _page_head_rows(indices: torch.Tensor, page_size: int, heads: int, layers: int) -> torch.Tensor:
-    indices = indices.to(torch.int64)
-    rows = (torch.div(indices, page_size, rounding_mode="floor") * (heads * page_size * layers)
-            + torch.remainder(indices, page_size) * layers)
-    return torch.where(indices < 0, indices, rows)
+def _page_head_geometry(host, name: str, item_size, page_size, heads) -> tuple[int, int, int]:
+    """(elements of one head's row, layers, pages) of a page_head host buffer, its geometry checked."""
+    compat._cache(name, host)
+    compat._positive("item_size", item_size)
+    compat._positive("page_size", page_size)
+    compat._positive("head_num", heads)
+    itemsize = host.element_size()
+    if item_size % (heads * itemsize):
+        raise ValueError(f"item_size={item_size} is not head_num={heads} heads of whole {host.dtype} elements")
+    head_elems = item_size // itemsize // heads
+    pages = host.shape[0]
+    per_layer = pages * heads * page_size * head_elems  # elements of one layer across the buffer
+    if not host.is_contiguous() or host.numel() % per_layer:
+        raise ValueError(f"{name} must be a contiguous page_head buffer (pages, heads={heads}, page_size={page_size}, "
+                         f"layers, {head_elems} elements), got shape {tuple(host.shape)}")
+    return head_elems, host.numel() // per_layer, pages
+
+
+def _page_head_rows(name: str, indices: torch.Tensor, page_size: int, heads: int, layers: int,
+                    pages: int) -> torch.Tensor:
+    return bounds.token_rows(name, indices, page_size=page_size, page_rows=heads * page_size * layers,
+                             slots=pages * page_size, token_stride=layers)
 
 
 def _page_head_pairs(host: torch.Tensor, device_rows: torch.Tensor, layer_id: int, item_size: int, page_size: int,
-                     heads: int, *, host_is_dst: bool) -> list:
-    head_elems = item_size // host.element_size() // heads
+                     heads: int, *, host_is_dst: bool, names: tuple[str, str]) -> tuple[list, tuple[int, int]]:
+    host_name, device_name = names
+    head_elems, layers, pages = _page_head_geometry(host, host_name, item_size, page_size, heads)
+    layer_id = bounds.check_layer(layer_id, layers, pool=f"{host_name} (a page_head buffer)")
+    compat._cache(device_name, device_rows)
+    if device_rows.dim() < 2 or math.prod(device_rows.shape[1:]) != heads * head_elems:
+        raise ValueError(f"{device_name} must hold rows of head_num={heads} x {head_elems} elements per slot, got "
+                         f"shape {tuple(device_rows.shape)}")
     flat = host.view(-1, head_elems)
-    layers = host.shape[-2] if host.dim() >= 5 else flat.shape[0] // (host.shape[0] * heads * page_size)
     span = flat.shape[0] - ((heads - 1) * page_size * layers + layer_id)
     dev = device_rows.view(device_rows.shape[0], heads, head_elems)
     pairs = []
@@ -541,7 +607,7 @@ def _page_head_pairs(host: torch.Tensor, device_rows: torch.Tensor, layer_id: in
         base = h * page_size * layers + layer_id
         pair = (flat[base:base + span], dev[:, h])
         pairs.append(pair if host_is_dst else pair[::-1])
-    return pairs, layers
+    return pairs, (layers, pages)
 
 
 def _page_head_copy(pairs, host_idx, device_idx, *, host_is_dst: bool, item_size: int, heads: int, block_quota):
@@ -556,11 +622,16 @@ def _page_head_copy(pairs, host_idx, device_idx, *, host_is_dst: bool, item_size
 
 def transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size,
                                 src_layout_dim, page_size, head_num, block_quota=None, num_warps_per_block=32):
-    pairs = []
-    for host, dev in ((src_k, dst_k), (src_v, dst_v)):
-        p, layers = _page_head_pairs(host, dev, layer_id, item_size, page_size, head_num, host_is_dst=False)
+    pairs, geometry = [], set()
+    for names, host, dev in ((("src_k", "dst_k"), src_k, dst_k), (("src_v", "dst_v"), src_v, dst_v)):
+        p, shape = _page_head_pairs(host, dev, layer_id, item_size, page_size, head_num, host_is_dst=False,
+                                    names=names)
         pairs += p
-    rows = _page_head_rows(src_indices, page_size, head_num, layers)
+        geometry.add(shape)
+    if len(geometry) > 1:
+        raise ValueError(f"src_k and src_v must have the same layers and pages, got {sorted(geometry)}")
+    (layers, pages), = geometry
+    rows = _page_head_rows("src_indices", src_indices, page_size, head_num, layers, pages)
     _page_head_copy(pairs, rows, dst_indices, host_is_dst=False, item_size=item_size, heads=head_num,
                     block_quota=block_quota)
 
@@ -569,9 +640,16 @@ def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_in
                                 dst_layout_dim, num_layers, page_size, head_num, block_quota=None,
                                 num_warps_per_block=32):
     _check_layers(num_layers, src_k_layers, src_v_layers)
+    pages = set()
+    for name, host in (("dst_k", dst_k), ("dst_v", dst_v)):
+        _, layers, host_pages = _page_head_geometry(host, name, item_size, page_size, head_num)
+        if layers != num_layers:
+            raise ValueError(f"num_layers={num_layers} but {name} holds {layers} layers (shape {tuple(host.shape)})")
+        pages.add(host_pages)
     head_bytes = item_size // head_num
     device = src_k_layers.device.index
-    rows = _page_head_rows(dst_indices, page_size, head_num, num_layers)
+    # The smaller buffer's pages bound both: a token past it is refused, not written past its end.
+    rows = _page_head_rows("dst_indices", dst_indices, page_size, head_num, num_layers, min(pages))
     pairs = []
     for host, table in ((dst_k, src_k_layers), (dst_v, src_v_layers)):
         flat = host.view(-1, head_bytes // host.element_size())
@@ -589,7 +667,16 @@ def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_in
 # Here the rows are planned by direct.py (maximal runs, 2-D copies for
 # strided rows, one batched submission), so any page size and stride work.
 
+def _caches(name: str, tensors) -> list:
+    """A list or tuple of caches (the argument ``name``), each checked."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
+    return [compat._cache(f"{name}[{i}]", t) for i, t in enumerate(tensors)]
+
+
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
+    compat._positive("page_size", page_size)
+    src_layers, dst_layers = _caches("src_layers", src_layers), _caches("dst_layers", dst_layers)
     if len(src_layers) != len(dst_layers):
         raise ValueError(f"src_layers has {len(src_layers)} tensors but dst_layers has {len(dst_layers)}")
     _copy([(_rows_of(d), _rows_of(s)) for d, s in zip(dst_layers, src_layers)], dst_indices, src_indices,
@@ -600,36 +687,50 @@ def _rows_of(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0], -1) if t.dim() > 2 else t
 
 
-def page_first_direct_rows(buffer: torch.Tensor, layer_id: int):
+def page_first_direct_rows(buffer: torch.Tensor, layer_id: int, name: str = "buffer", tokens_name: str = "indices"):
     """(flat rows, token -> row map for direct.copy_rows, page size) of one layer of a
-    (pages, layers, page_size, ...) buffer."""
+    (pages, layers, page_size, ...) buffer; the map refuses a token outside the buffer (bounds.token_rows)."""
+    compat._cache(name, buffer)
+    if buffer.dim() < 3 or not buffer.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous page_first_direct buffer (pages, layers, page_size, ...), got "
+                         f"shape {tuple(buffer.shape)}")
     pages, layers, page_size = buffer.shape[0], buffer.shape[1], buffer.shape[2]
+    # In range: layer L would view the next page's layer 0.
+    layer_id = bounds.check_layer(layer_id, layers, pool=f"{name} (a page_first_direct buffer)")
     flat = buffer.view(pages * layers * page_size, -1)
     # From this layer's first row to its last: the same count for every layer, so one plan serves them all.
     span = (pages - 1) * layers * page_size + page_size
-    return (flat[layer_id * page_size:layer_id * page_size + span],
-            lambda tokens: compat._token_rows(tokens, page_size, layers * page_size), page_size)
+
+    def to_rows(tokens: torch.Tensor) -> torch.Tensor:
+        return bounds.token_rows(tokens_name, tokens, page_size=page_size, page_rows=layers * page_size,
+                                 slots=pages * page_size)
+
+    return flat[layer_id * page_size:layer_id * page_size + span], to_rows, page_size
 
 
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
+    compat._positive("page_size", page_size)
+    src_ptrs, dst_ptrs = _caches("src_ptrs", src_ptrs), _caches("dst_ptrs", dst_ptrs)
     if len(src_ptrs) != len(dst_ptrs):
         raise ValueError(f"src_ptrs has {len(src_ptrs)} buffers but dst_ptrs has {len(dst_ptrs)} layers")
     pairs, to_rows, rows_per_page = [], None, 1
-    for host, dev in zip(src_ptrs, dst_ptrs):
-        flat, to_rows, rows_per_page = page_first_direct_rows(host, layer_id)
+    for i, (host, dev) in enumerate(zip(src_ptrs, dst_ptrs)):
+        flat, to_rows, rows_per_page = page_first_direct_rows(host, layer_id, f"src_ptrs[{i}]", "src_indices")
         pairs.append((_rows_of(dev), flat))
     _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, src_rows=to_rows,
           rows_key=("page_first_direct", rows_per_page, src_ptrs[0].shape[1] if len(src_ptrs) else 0))
 
 
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
+    compat._positive("page_size", page_size)
+    src_ptrs, dst_ptrs = _caches("src_ptrs", src_ptrs), _caches("dst_ptrs", dst_ptrs)
     layers_per_buffer = len(src_ptrs) // max(1, len(dst_ptrs))
-    if layers_per_buffer * len(dst_ptrs) != len(src_ptrs):
+    if not dst_ptrs or layers_per_buffer * len(dst_ptrs) != len(src_ptrs):
         raise ValueError(f"src_ptrs has {len(src_ptrs)} layers, not a multiple of the {len(dst_ptrs)} buffers")
     pairs, to_rows, rows_per_page = [], None, 1
     for b, host in enumerate(dst_ptrs):
         for layer in range(layers_per_buffer):
-            flat, to_rows, rows_per_page = page_first_direct_rows(host, layer)
+            flat, to_rows, rows_per_page = page_first_direct_rows(host, layer, f"dst_ptrs[{b}]", "dst_indices")
             pairs.append((flat, _rows_of(src_ptrs[b * layers_per_buffer + layer])))
     _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, dst_rows=to_rows,
           rows_key=("page_first_direct", rows_per_page, dst_ptrs[0].shape[1] if len(dst_ptrs) else 0))
