@@ -238,9 +238,11 @@ class Worker:
         host_map = host[0][1]  # the same slot -> row map for every layer
         host = [rows for rows, _ in host]
         if to_host:
-            pairs, dst_idx, src_idx, dst_map, src_map = list(zip(host, dev)), call.host_idx, call.dev_idx, host_map, None
+            pairs, dst_idx, src_idx = list(zip(host, dev)), call.host_idx, call.dev_idx
+            dst_map, src_map = host_map, None
         else:
-            pairs, dst_idx, src_idx, dst_map, src_map = list(zip(dev, host)), call.dev_idx, call.host_idx, None, host_map
+            pairs, dst_idx, src_idx = list(zip(dev, host)), call.dev_idx, call.host_idx
+            dst_map, src_map = None, host_map
         mode = self.args.mode if self.args.mode != "mixed" else self.rng.choice(direct.MODES)
         self.mark("planning", call.describe() + f" mode={mode}")
         runs = direct.plan_runs(dst_idx, src_idx, call.page, dst_rows=dst_map, src_rows=src_map)
@@ -467,7 +469,8 @@ def main(argv=None) -> int:
     document = run(args)
     line = (f"soak: {document['seconds']} s, {args.threads} threads: {document['calls']} calls, {document['copies']} "
             f"copies, {document['bytes'] / 1e9:.1f} GB, most pages in a call {document['most_pages_in_a_call']}, "
-            f"modes {document['modes']}: {'every check held' if document['ok'] else str(document['failed']) + ' FAILED'}")
+            f"modes {document['modes']}: "
+            + ("every check held" if document["ok"] else f"{document['failed']} FAILED"))
     print(line)
     return 0 if document["ok"] else EXIT_FAILED
 
