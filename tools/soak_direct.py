@@ -58,6 +58,9 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 ROW_BYTES = (4, 36, 256, 576, 656, 1152, 2048, 4096)
 PAGE_SIZES = (1, 2, 4, 16, 32, 64, 128, 256)
 LAYERS = (1, 2, 4, 8)
+# Pages a call chooses among on each side: small rows would otherwise make hundreds of millions of slots, and
+# a random permutation of them costs seconds and gigabytes per call. A million pages keep calls sparse enough.
+MAX_CHOICE_PAGES = 1 << 20
 GUARD = 4096  # bytes around every region, filled with GUARD_BYTE
 GUARD_BYTE = 0xA5
 MAX_FAILURES_KEPT = 20
@@ -125,8 +128,9 @@ class Call:
         if not fitting:  # rows of all these layers do not fit the (--smoke) buffers: the smallest case
             self.layers, self.row, fitting = 1, 4, [1]
         self.page = rng.choice(fitting)
-        self.host_slots = slots_of(sides["host"], self.layers, self.row, self.page)
-        self.dev_slots = slots_of(sides["device"], self.layers, self.row, self.page)
+        cap = MAX_CHOICE_PAGES * self.page
+        self.host_slots = min(cap, slots_of(sides["host"], self.layers, self.row, self.page))
+        self.dev_slots = min(cap, slots_of(sides["device"], self.layers, self.row, self.page))
         host_slots, dev_slots = self.host_slots, self.dev_slots
         limit = min(max_pages, host_slots // self.page, dev_slots // self.page)
         self.pages = min(limit, max(1, int(math.exp(rng.uniform(0, math.log(limit + 1))))))
