@@ -65,11 +65,16 @@ def open_regular(path: Path | str, *, follow: bool = False) -> int:
         raise
 
 
-def read_regular(path: Path | str, limit: int) -> bytes:
-    """The bytes of the regular file at ``path``, refusing anything over ``limit`` bytes."""
+def read_regular(path: Path | str, limit: int, *, check=None) -> bytes:
+    """The bytes of the regular file at ``path``, refusing anything over ``limit`` bytes.
+    ``check(st)``, when given, sees the ``fstat`` of the file opened (not of whatever the path names
+    later) and raises to refuse it (an owner or mode the caller does not accept)."""
     fd = open_regular(path)
     with os.fdopen(fd, "rb") as f:
-        if os.fstat(f.fileno()).st_size > limit:
+        st = os.fstat(f.fileno())
+        if check is not None:
+            check(st)
+        if st.st_size > limit:
             raise TooLarge(errno.EFBIG, f"is larger than {limit} bytes", str(path))
         data = f.read(limit + 1)
     if len(data) > limit:  # grew while read

@@ -31,6 +31,7 @@ RESIDENT_BLOCKS = "SGLANG_HICACHE_JIT_RESIDENT_BLOCKS"
 RESIDENT_IDLE_US = "SGLANG_HICACHE_JIT_RESIDENT_IDLE_US"
 LINEINFO = "SGLANG_HICACHE_JIT_LINEINFO"
 STAGING = "SGLANG_HICACHE_JIT_STAGING"
+DRIVER_BATCH = "SGLANG_HICACHE_JIT_DRIVER_BATCH"
 # SGLang's own setting (read by sgl-kernel 0.4.7+), which the routed MLA per-layer ops honour the same way.
 SGLANG_BLOCK_QUOTA = "SGLANG_HICACHE_BLOCK_QUOTA"
 
@@ -121,19 +122,32 @@ def disabled() -> bool:
 _FALSE = {"0", "false", "no", "off"}
 
 
-def sglang_plugin_enabled() -> bool:
-    """SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0 leaves SGLang exactly as it is (the plugin patches nothing).
-    Anything but on (unset, 1, true, yes, on) or off (0, false, no, off) raises BadSettingError:
-    'disable' or '2' used to leave the plugin on without a word. The plugin's register() turns that
-    into "plugin not active" with the reason at WARNING (it never stops SGLang); info and doctor
-    show the setting as invalid."""
-    value = os.environ.get(SGLANG_PLUGIN, "").strip().lower()
+def _on_unless_off(name: str, fix: str) -> bool:
+    """A switch that is on by default: unset, 1, true, yes or on is on; 0, false, no or off is off; anything
+    else raises BadSettingError ('disable' or '2' must not leave a switch on without a word)."""
+    value = os.environ.get(name, "").strip().lower()
     if not value or value in _TRUE:
         return True
     if value in _FALSE:
         return False
-    raise bad(SGLANG_PLUGIN, os.environ[SGLANG_PLUGIN], "it must be 1 (on) or 0 (off); true/false, yes/no and "
-              "on/off also work", f"set {SGLANG_PLUGIN}=0 to leave SGLang unchanged, or unset it.")
+    raise bad(name, os.environ[name], "it must be 1 (on) or 0 (off); true/false, yes/no and on/off also work", fix)
+
+
+def sglang_plugin_enabled() -> bool:
+    """SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0 leaves SGLang exactly as it is (the plugin patches nothing).
+    Anything but on or off raises BadSettingError. The plugin's register() turns that into "plugin not
+    active" with the reason at WARNING (it never stops SGLang); info and doctor show the setting as
+    invalid."""
+    return _on_unless_off(SGLANG_PLUGIN, f"set {SGLANG_PLUGIN}=0 to leave SGLang unchanged, or unset it.")
+
+
+def driver_batch_enabled() -> bool:
+    """SGLANG_HICACHE_JIT_DRIVER_BATCH=0 keeps the direct path away from the driver's cuMemcpyBatchAsync:
+    flat copies then go through the runtime's cudaMemcpy3DBatchAsync (or one 2-D copy per run where that
+    is missing). The way out should the driver's call crash or hang a process, which no Python code can
+    catch (docs/troubleshooting.md). Read once per process, at the first direct copy on a GPU."""
+    return _on_unless_off(DRIVER_BATCH, f"set {DRIVER_BATCH}=0 to keep copies off cuMemcpyBatchAsync, or unset "
+                                        "it.")
 
 
 def sglang_block_quota() -> int | None:
@@ -353,6 +367,7 @@ _DESCRIBED = (
     (LOCK_DIR, lambda: str(lock_dir()) if lock_dir() else None, "<cache>/v1/.locks"),
     (TRUSTED_OWNERS, lambda: sorted(trusted_owners()), "root and this user only"),
     (SGLANG_PLUGIN, sglang_plugin_enabled, "on"),
+    (DRIVER_BATCH, driver_batch_enabled, "on (where the driver has it)"),
     (SGLANG_BLOCK_QUOTA, sglang_block_quota, "the measured default CTAs"),
 )
 

@@ -181,3 +181,84 @@ def test_a_pool_plans_a_load_once_for_all_its_layers(monkeypatch):
     pool.load_to_device_per_layer(dp, host, dev, 0, "direct")
     assert len(calls) == 2
     check([0])
+
+
+# ---- issue 26: SGLANG_HICACHE_JIT_DRIVER_BATCH=0, the way out of the driver's batch call ---------------------------
+
+direct_driver_batch = direct.DriverBatch
+
+
+@pytest.fixture
+def fresh_lookup(monkeypatch):
+    """driver_batch() looks again, and finds a stand-in driver that has the call; what it built is counted."""
+    built = []
+    monkeypatch.setattr(direct, "_driver", None)
+    monkeypatch.setattr(direct, "_driver_failure", None)
+    monkeypatch.setattr(direct, "DriverBatch", lambda: built.append(1) or direct_driver_batch(FakeDriver(13000, True)))
+    monkeypatch.delenv("SGLANG_HICACHE_JIT_DRIVER_BATCH", raising=False)
+    return built
+
+
+@pytest.mark.parametrize("value", ["0", "false", "no", "off", " OFF "])
+def test_the_setting_keeps_copies_off_the_driver_call(fresh_lookup, monkeypatch, caplog, value):
+    import logging
+
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_DRIVER_BATCH", value)
+    with caplog.at_level(logging.INFO, logger="sglang_hicache_jit.direct"):
+        assert direct.driver_batch() is None
+        assert direct.driver_batch() is None
+    assert fresh_lookup == []  # libcuda's call is never even looked up
+    assert direct._driver_failure == "SGLANG_HICACHE_JIT_DRIVER_BATCH=0"
+    assert "flat copies go through cudaMemcpy3DBatchAsync: SGLANG_HICACHE_JIT_DRIVER_BATCH=0" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["", "1", "on", "yes"])
+def test_unset_or_on_the_driver_call_is_used(fresh_lookup, monkeypatch, value):
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_DRIVER_BATCH", value)
+    assert direct.driver_batch() is not None and direct.driver_batch().available and fresh_lookup == [1]
+
+
+@pytest.mark.parametrize("value", ["disable", "2", "none"])
+def test_a_value_that_is_neither_on_nor_off_is_refused(fresh_lookup, monkeypatch, value):
+    from sglang_hicache_jit import settings
+    from sglang_hicache_jit.errors import BadSettingError
+
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_DRIVER_BATCH", value)
+    with pytest.raises(BadSettingError, match="SGLANG_HICACHE_JIT_DRIVER_BATCH"):
+        direct.driver_batch()
+    shown, = [s for s in settings.effective() if s["variable"] == "SGLANG_HICACHE_JIT_DRIVER_BATCH"]
+    assert shown["error"] and fresh_lookup == []
+
+
+def test_info_lists_the_setting(monkeypatch):
+    from sglang_hicache_jit import settings
+
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_DRIVER_BATCH", "0")
+    shown, = [s for s in settings.effective() if s["variable"] == "SGLANG_HICACHE_JIT_DRIVER_BATCH"]
+    assert shown["value"] is False and shown["source"] == "env"
+
+
+@pytest.mark.gpu
+def test_with_the_setting_off_batched_copies_never_reach_the_driver(monkeypatch):
+    """On the GPU: mode 'batch' and 'auto' still copy bit-exactly, all through cudaMemcpy3DBatchAsync."""
+    if not direct.batch_status()[0]:
+        pytest.skip(direct.batch_status()[1])
+    monkeypatch.setattr(direct, "_driver", None)
+    monkeypatch.setattr(direct, "_driver_failure", None)
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_DRIVER_BATCH", "0")
+
+    def never(*args, **kwargs):
+        raise AssertionError("cuMemcpyBatchAsync was called with SGLANG_HICACHE_JIT_DRIVER_BATCH=0")
+
+    monkeypatch.setattr(direct.DriverBatch, "copy", never)
+    gen = torch.Generator().manual_seed(26)
+    host = torch.randint(0, 256, (512, 1152), dtype=torch.uint8, generator=gen).pin_memory()
+    idx = (torch.randperm(8, generator=gen)[:4, None] * 64 + torch.arange(64)).reshape(-1)
+    for mode in ("batch", "auto"):
+        dev = torch.zeros((512 + 2, 1152), dtype=torch.uint8, device="cuda")  # a guard row either side
+        assert direct.copy_rows([(dev[1:-1], host)], idx, idx, mode=mode, page_size=64) == "batch"
+        torch.cuda.synchronize()
+        expected = torch.zeros_like(host)
+        expected[idx] = host[idx]
+        assert torch.equal(dev[1:-1].cpu(), expected) and not dev[0].any() and not dev[-1].any()
+    assert "SGLANG_HICACHE_JIT_DRIVER_BATCH=0" in direct.batch_status()[1]

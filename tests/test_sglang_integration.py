@@ -260,3 +260,41 @@ def test_plugin_stands_aside_on_a_non_cuda_torch(upstream, monkeypatch, caplog):
         assert "not a CUDA build" in plugin.status["reason"]
     finally:
         plugin.status.update(saved)
+
+
+def test_a_hook_sglang_refuses_leaves_its_registry_as_it_was(upstream, monkeypatch, caplog):
+    """Issue 26 (M1), against the installed SGLang's own HookRegistry: the third hook is refused, and the two
+    registered before it are taken out of the registry again, so the log's "SGLang runs unchanged" is true."""
+    import torch
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_hicache_jit.integrations import sglang as plugin
+
+    monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "13.0")
+    monkeypatch.delenv("SGLANG_HICACHE_JIT_SGLANG_PLUGIN", raising=False)
+    before = {target: list(entries) for target, entries in HookRegistry._hooks.items()}
+    real = HookRegistry.register.__func__
+    calls = []
+
+    def refuse_the_third(cls, target, hook, *args, **kwargs):
+        calls.append(target)
+        if len(calls) == 3:
+            raise TypeError("refused by this test")
+        return real(cls, target, hook, *args, **kwargs)
+
+    monkeypatch.setattr(HookRegistry, "register", classmethod(refuse_the_third))
+    saved = dict(plugin.status)
+    plugin.reload_for_tests()
+    try:
+        plugin.register()
+        assert len(calls) == 3
+        assert {t: e for t, e in HookRegistry._hooks.items() if e} == {t: e for t, e in before.items() if e}
+        assert plugin.status["patched"] == [] and "refused by this test" in plugin.status["reason"]
+        assert "the 2 hooks registered before it were withdrawn" in caplog.text
+        plugin.register()  # a second entry point: nothing more
+        assert len(calls) == 3
+    finally:
+        HookRegistry._hooks.clear()
+        HookRegistry._hooks.update(before)
+        plugin.reload_for_tests()
+        plugin.status.update(saved)

@@ -24,6 +24,11 @@ support table in ``docs/sglang.md``, through the same planner the plugin runs.
     python3 tools/sglang_releases.py                  # every release in RELEASES
     python3 tools/sglang_releases.py 0.5.24 --kernels # add a release and its sglang-kernel
     python3 tools/sglang_releases.py --tables-only    # rewrite support.json and the docs table
+
+A wheel that cannot be read as one (not a zip, no METADATA, a module that does not parse or nests too
+deeply, classes that inherit from each other, a member larger than ``MAX_MEMBER_BYTES``) ends the run
+with one line, ``error: <wheel>: <the problem>``, and exit status 1; nothing is written (records are
+written only once every wheel of the run was read).
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ RELEASES = ("0.5.10", "0.5.10.post1", "0.5.11", "0.5.12", "0.5.12.post1", "0.5.1
             "0.5.23")
 # The Pythons whose wheels the tests download: CI (3.11) and the GPU machine (3.12).
 PYTHONS = ("3.11", "3.12")
+# The largest wheel member read (sglang's largest module is about 0.5 MB): bounds what a malformed wheel
+# (a zip bomb, a size field that lies) can make this tool decompress into memory.
+MAX_MEMBER_BYTES = 64 << 20
 # Names whose value on a CUDA build a default may test (``16 if _is_hip else 32``).
 CUDA_FLAGS = {"_is_hip": False, "_is_cuda": True, "_is_npu": False, "_is_xpu": False, "_is_mps": False,
               "_is_musa": False, "_is_cpu": False}
@@ -81,15 +89,61 @@ def download(spec: str, dest: Path, python: str) -> Path:
 # ---------------------------------------------------------------------------
 # Reading a wheel's Python without importing it.
 
+class MalformedWheel(Exception):
+    """A wheel this tool cannot read; the message names the wheel and the problem."""
+
+    def __init__(self, wheel, problem: str):
+        self.wheel, self.problem = str(wheel), problem
+        super().__init__(f"{self.wheel}: {problem}")
+
+
 class Wheel:
     def __init__(self, path: Path):
-        self.zip = zipfile.ZipFile(path)
-        self.names = set(self.zip.namelist())
+        self.path = Path(path)
+        try:
+            self.zip = zipfile.ZipFile(path)
+            self.names = set(self.zip.namelist())
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as exc:
+            raise MalformedWheel(path, f"is not a readable zip archive ({type(exc).__name__}: {exc})") from None
         self._trees: dict = {}
 
+    def read(self, member: str) -> bytes:
+        """A member's bytes, at most MAX_MEMBER_BYTES of them whatever its header says."""
+        try:
+            with self.zip.open(member) as f:
+                data = f.read(MAX_MEMBER_BYTES + 1)
+        except KeyError:
+            raise MalformedWheel(self.path, f"has no {member}") from None
+        except Exception as exc:  # BadZipFile (a CRC that fails), zlib.error, an unknown compression, EOFError
+            raise MalformedWheel(self.path, f"{member} cannot be read ({type(exc).__name__}: {exc})") from None
+        if len(data) > MAX_MEMBER_BYTES:
+            raise MalformedWheel(self.path, f"{member} is larger than {MAX_MEMBER_BYTES} bytes")
+        return data
+
+    def text(self, member: str) -> str:
+        data = self.read(member)
+        try:
+            return data.decode()
+        except UnicodeDecodeError as exc:
+            raise MalformedWheel(self.path, f"{member} is not UTF-8 (byte {exc.start})") from None
+
+    def parse(self, member: str) -> ast.Module:
+        """A Python member's syntax tree, or MalformedWheel saying why not."""
+        source = self.text(member)
+        try:
+            return ast.parse(source, filename=member)
+        except SyntaxError as exc:
+            raise MalformedWheel(self.path, f"{member} does not parse as Python (line {exc.lineno}: {exc.msg})") \
+                from None
+        except (ValueError, RecursionError, MemoryError) as exc:  # null bytes; nesting too deep for the parser
+            raise MalformedWheel(self.path, f"{member} does not parse as Python ({type(exc).__name__}: "
+                                            f"{exc or 'too deeply nested'})") from None
+
     def metadata(self) -> str:
-        name = next(n for n in self.names if n.endswith(".dist-info/METADATA"))
-        return self.zip.read(name).decode()
+        name = next((n for n in sorted(self.names) if n.endswith(".dist-info/METADATA")), None)
+        if name is None:
+            raise MalformedWheel(self.path, "has no *.dist-info/METADATA (not a wheel)")
+        return self.text(name)
 
     def module_file(self, module: str) -> str | None:
         base = module.replace(".", "/")
@@ -101,7 +155,7 @@ class Wheel:
     def tree(self, module: str):
         if module not in self._trees:
             path = self.module_file(module)
-            self._trees[module] = ast.parse(self.zip.read(path).decode()) if path else None
+            self._trees[module] = self.parse(path) if path else None
         return self._trees[module]
 
     def split(self, dotted: str):
@@ -134,14 +188,18 @@ class Wheel:
             return (sub, None) if self.module_file(sub) else None
         return found
 
-    def class_mro(self, module: str, node: ast.ClassDef) -> list:
+    def class_mro(self, module: str, node: ast.ClassDef, _below: tuple = ()) -> list:
         """C3 linearization over the classes this wheel defines (outside bases end the chain)."""
+        here = (module, node.name)
+        if here in _below:  # Python refuses such classes at import; without this check, a RecursionError
+            chain = " -> ".join(f"{m}.{n}" for m, n in (*_below[_below.index(here):], here))
+            raise MalformedWheel(self.path, f"classes inherit from each other ({chain})")
         bases = []
         for base in node.bases:
             ref = self.resolve_expr(module, base)
             if ref and isinstance(ref[1], ast.ClassDef):
                 bases.append(ref)
-        sequences = [self.class_mro(*b) for b in bases] + [bases]
+        sequences = [self.class_mro(*b, (*_below, here)) for b in bases] + [bases]
         result = [(module, node)]
         while any(sequences):
             for seq in sequences:
@@ -151,7 +209,7 @@ class Wheel:
                 if not any(head in s[1:] for s in sequences if s):
                     break
             else:
-                raise ValueError(f"no MRO for {node.name}")
+                raise MalformedWheel(self.path, f"class {node.name} in {module} has no consistent method order")
             result.append(head)
             sequences = [s[1:] if s and s[0] == head else s for s in sequences]
         return result
@@ -214,7 +272,18 @@ def record_release(version: str, cache: Path) -> dict:
     for python in PYTHONS:
         wheel = download(f"sglang=={version}", cache / "sglang", python)
         wheels[wheel.name] = sha256(wheel)
-    wheel = Wheel(wheel)
+    return record_wheel(wheel, version, wheels)
+
+
+def record_wheel(path: Path, version: str, wheels: dict) -> dict:
+    """The record of sglang ``version`` read from its wheel at ``path`` (``wheels``: name -> sha256)."""
+    try:
+        return _record_wheel(Wheel(path), version, wheels)
+    except RecursionError:  # a default or a class chain nested beyond what ast's walkers take
+        raise MalformedWheel(path, "nests deeper than Python's recursion limit allows to read it") from None
+
+
+def _record_wheel(wheel: Wheel, version: str, wheels: dict) -> dict:
     meta = wheel.metadata()
     pin = re.search(r"^Requires-Dist: sglang-kernel==(\S+)", meta, re.M)
     torch_pin = re.search(r"^Requires-Dist: torch==(\S+)", meta, re.M)
@@ -244,10 +313,17 @@ def record_release(version: str, cache: Path) -> dict:
 
 def record_kernel(version: str, cache: Path) -> dict:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:  # a wheel of hundreds of MB: not kept
-        wheel = Wheel(download(f"sglang-kernel=={version}", Path(tmp), "3.12"))
-        tree = ast.parse(wheel.zip.read("sgl_kernel/kvcacheio.py").decode())
-    functions = {node.name: params(node) for node in tree.body
-                 if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")}
+        return record_kernel_wheel(download(f"sglang-kernel=={version}", Path(tmp), "3.12"), version)
+
+
+def record_kernel_wheel(path: Path, version: str) -> dict:
+    """The record of sglang-kernel ``version`` read from its wheel at ``path``: its kvcacheio signatures."""
+    try:
+        tree = Wheel(path).parse("sgl_kernel/kvcacheio.py")
+        functions = {node.name: params(node) for node in tree.body
+                     if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")}
+    except RecursionError:
+        raise MalformedWheel(path, "nests deeper than Python's recursion limit allows to read it") from None
     return {"sglang_kernel": version, "kvcacheio": functions}
 
 
@@ -330,27 +406,41 @@ def write_tables() -> None:
     print(f"wrote {SUPPORT.relative_to(ROOT)} and the table in {DOC.relative_to(ROOT)} ({len(rows)} releases)")
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("releases", nargs="*", help=f"sglang versions (default: {RELEASES[0]}..{RELEASES[-1]})")
     parser.add_argument("--kernels", action="store_true", help="also record each pinned sglang-kernel not yet recorded")
     parser.add_argument("--tables-only", action="store_true", help="only rewrite support.json and the docs table")
     parser.add_argument("--cache", type=Path, default=Path(os.path.expanduser("~/.cache/sglang-hicache-jit-tools")),
                         help="where downloaded sglang wheels are kept")
-    args = parser.parse_args()
-    if not args.tables_only:
-        DATA.mkdir(parents=True, exist_ok=True)
-        for version in args.releases or RELEASES:
-            record = record_release(version, args.cache)
-            write_json(DATA / f"sglang-{version}.json", record)
-            print(f"sglang {version}: sglang-kernel {record['sglang_kernel']}, "
-                  f"{sum(v is not None for v in record['targets'].values())} target names present")
-            pin = record["sglang_kernel"]
-            if args.kernels and pin and not (DATA / f"sglang-kernel-{pin}.json").exists():
-                write_json(DATA / f"sglang-kernel-{pin}.json", record_kernel(pin, args.cache))
-                print(f"sglang-kernel {pin}: recorded")
+    args = parser.parse_args(argv)
+    try:
+        records = {} if args.tables_only else read_releases(args.releases or RELEASES, args.kernels, args.cache)
+    except MalformedWheel as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    DATA.mkdir(parents=True, exist_ok=True)
+    for name, data in records.items():  # only once every wheel was read: a malformed one leaves no half update
+        write_json(DATA / name, data)
     write_tables()
     return 0
+
+
+def read_releases(versions, kernels: bool, cache: Path) -> dict:
+    """File name in tests/sglang_data -> record, for each release (and, with ``kernels``, each pinned
+    sglang-kernel not yet recorded)."""
+    records = {}
+    for version in versions:
+        release = record_release(version, cache)
+        records[f"sglang-{version}.json"] = release
+        print(f"sglang {version}: sglang-kernel {release['sglang_kernel']}, "
+              f"{sum(v is not None for v in release['targets'].values())} target names present")
+        pin = release["sglang_kernel"]
+        name = f"sglang-kernel-{pin}.json"
+        if kernels and pin and not (DATA / name).exists() and name not in records:
+            records[name] = record_kernel(pin, cache)
+            print(f"sglang-kernel {pin}: recorded")
+    return records
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import threading
 
 import torch
 
+from .. import settings
 from .bounds import PAST_THE_END, check_rows
 from .checks import check_index_tensor
 
@@ -562,11 +563,16 @@ def cuda_runtime() -> CudaRuntime:
 
 
 def driver_batch() -> DriverBatch | None:
-    """The driver's batch call, or None where the driver lacks it (before CUDA 12.8) or it failed here."""
+    """The driver's batch call, or None where SGLANG_HICACHE_JIT_DRIVER_BATCH=0 turns it off (read here,
+    once per process), the driver lacks it (before CUDA 12.8) or it failed here."""
     global _driver, _driver_failure
     if _driver is None and _driver_failure is None:
         with _runtime_lock:
             if _driver is None and _driver_failure is None:
+                if not settings.driver_batch_enabled():
+                    _driver_failure = f"{settings.DRIVER_BATCH}=0"
+                    log.info("flat copies go through cudaMemcpy3DBatchAsync: %s", _driver_failure)
+                    return None
                 try:
                     _driver = DriverBatch()
                 except (OSError, AttributeError) as exc:  # no libcuda, or a driver without these entry points

@@ -12,6 +12,14 @@ from .. import settings
 from .abi import RESIDENT_QUEUE_SLOTS, _current_device, _raw_stream, _resident_signatures
 
 
+def _capturing() -> bool:
+    """Whether the current stream is being captured into a CUDA graph."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # no usable CUDA context here (torch's AcceleratorError): nothing is being captured
+        return False
+
+
 class ResidentQueue:
     """The resident-queue methods of a device state (see launcher._DeviceState)."""
 
@@ -22,6 +30,12 @@ class ResidentQueue:
         # One lock for submit, create and stop: a stop frees the queue, which a concurrent submit must not
         # be using; the method-used word is shared too.
         with self._resident_lock:
+            if self.resident is None and _capturing():
+                # Creating the queue allocates memory and synchronizes a stream, which invalidates a CUDA
+                # graph being captured. A graph replays an ordinary launch anyway (what the C side captures
+                # once the queue exists), so launch that; the queue is created by the next call outside.
+                self.submit(ctypes.addressof(spec), self._method_used_ref)
+                return self._method_used.value
             queue = self.resident or self._create_resident_queue()
             err = self.library.handle.hicache_resident_submit(queue, ctypes.byref(spec), _raw_stream(self.device),
                                                               self._method_used_ref)

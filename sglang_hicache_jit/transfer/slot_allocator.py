@@ -20,11 +20,23 @@ are reused in the order they were freed, after the never-used ones.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 
 import torch
 
 from .checks import check_dense
+
+# The bookkeeping of one slot: its "allocated" flag (1 B) and its number in the free queue (8 B).
+BYTES_PER_SLOT = 9
+
+
+def _memory(name: str) -> int | None:
+    """Bytes of memory by sysconf's ``name`` (SC_PHYS_PAGES: all, SC_AVPHYS_PAGES: free now), None where unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf(name)
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 class SlotAllocator:
@@ -36,14 +48,32 @@ class SlotAllocator:
             raise ValueError(f"size ({size}) must be a multiple of page_size ({page_size}): the allocator hands out "
                              "whole pages")
         self.size, self.page_size = int(size), int(page_size)
+        total = _memory("SC_PHYS_PAGES")
+        if total is not None and self.size * BYTES_PER_SLOT > total:  # torch's out-of-memory error otherwise
+            raise ValueError(self._too_large(f"more than this machine's {total / 2**30:.1f} GiB of memory", total))
         self.lock = threading.RLock()
         self.clear()
 
+    def _too_large(self, why: str, memory: int) -> str:
+        fit = memory // BYTES_PER_SLOT // self.page_size * self.page_size
+        return (f"size={self.size} slots needs {self.size * BYTES_PER_SLOT / 2**30:.1f} GiB for the slot "
+                f"allocator's bookkeeping ({BYTES_PER_SLOT} B a slot), {why}; at most {fit} slots fit "
+                f"(whole pages of {self.page_size})")
+
     def clear(self) -> None:
         with self.lock:
-            self._allocated = torch.zeros(self.size, dtype=torch.bool)
-            self._chunks = collections.deque([torch.arange(self.size, dtype=torch.int64)])
-            self._available = self.size
+            try:
+                allocated = torch.zeros(self.size, dtype=torch.bool)
+                chunks = collections.deque([torch.arange(self.size, dtype=torch.int64)])
+            except RuntimeError as exc:  # out of memory now (torch.OutOfMemoryError is a RuntimeError too)
+                free = _memory("SC_AVPHYS_PAGES")
+                why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+                if free is None:
+                    raise ValueError(f"size={self.size} slots: the slot allocator's bookkeeping "
+                                     f"({BYTES_PER_SLOT} B a slot) could not be allocated ({why})") from None
+                raise ValueError(self._too_large(f"which could not be allocated ({why}); "
+                                                 f"{free / 2**30:.1f} GiB are free now", free)) from None
+            self._allocated, self._chunks, self._available = allocated, chunks, self.size
 
     def available_size(self) -> int:
         return self._available

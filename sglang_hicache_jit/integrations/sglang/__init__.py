@@ -21,6 +21,17 @@ skipped and logged, so another release gets what still fits, and nothing
 here may break SGLang's startup: every failure is logged and leaves SGLang
 as it was. Turn it off with ``SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0``, or leave
 ``hicache_jit`` out of SGLang's ``SGLANG_PLUGINS`` whitelist.
+
+All or nothing: everything that can fail (the switch, torch, the support
+table, the plan, SGLang's hook types) is read and checked before the first
+hook is registered. Should SGLang's registry still refuse a hook, the hooks
+registered before it are taken out of its table again (``HookRegistry`` has
+no unregister; its ``_hooks`` maps a dotted path to a list of entries that
+hold the hook), so SGLang runs unchanged; where that cannot be done the log
+says at ERROR which hooks stay. The log line always tells the true state.
+``register()`` runs once per process: a second call (SGLang calls each
+entry point it finds, and two installed copies of this package advertise
+it twice) does nothing, whatever the first one did.
 """
 
 from __future__ import annotations
@@ -35,26 +46,36 @@ __all__ = ["register", "describe", "release_row", "status"]
 log = logging.getLogger("sglang_hicache_jit.plugin")
 
 # What register() did in this process, for `sglang-hicache-jit info` and tests: the targets
-# patched ("name -> upstream path"), and (name, why) for those skipped or absent.
+# patched ("name -> upstream path"), and (name, why) for those skipped or absent. "patched" lists
+# exactly the hooks in SGLang's registry, also after a failure.
 status: dict = {"registered": False, "sglang": None, "patched": [], "skipped": [], "absent": [], "reason": ""}
+_ran = False  # register() ran in this process (a second call does nothing)
 
 
 def register() -> None:
-    """Entry point for sglang.srt.plugins. Never raises."""
+    """Entry point for sglang.srt.plugins. Never raises; runs once per process."""
+    global _ran
+    if _ran:
+        log.debug("sglang-hicache-jit: register() already ran in this process; nothing to do")
+        return
+    _ran = True
     try:
-        _register()
-    except Exception as exc:  # a plugin must never stop SGLang from starting
+        prepared = _prepare()
+    except Exception as exc:  # a plugin must never stop SGLang from starting; nothing is registered yet
         status["reason"] = f"{type(exc).__name__}: {exc}"
         log.warning("sglang-hicache-jit: plugin not active (%s); SGLang runs unchanged", status["reason"])
-
-
-def _register() -> None:
-    if status["registered"]:
         return
+    if prepared is not None:
+        _register_all(*prepared)
+
+
+def _prepare():
+    """Everything register() needs, read and checked before anything is registered: (registry, hooks,
+    decisions, release row), or None when the plugin stands aside (logged here)."""
     if not settings.sglang_plugin_enabled():
         status["reason"] = f"{settings.SGLANG_PLUGIN}=0"
         log.info("sglang-hicache-jit: plugin off (%s); SGLang runs unchanged", status["reason"])
-        return
+        return None
     import torch
 
     if torch.version.cuda is None or getattr(torch.version, "hip", None):
@@ -62,32 +83,82 @@ def _register() -> None:
         # SGLang keeps its own transfers.
         status["reason"] = "torch is not a CUDA build (this package's transfers are CUDA-only)"
         log.info("sglang-hicache-jit: plugin not applied: %s; SGLang runs unchanged", status["reason"])
-        return
+        return None
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         status["sglang"] = version("sglang")
     except PackageNotFoundError:
         status["sglang"] = "unknown"
+    row = release_row(status["sglang"])  # a damaged support.json raises here, before any hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from .plan import LiveFacts, plan
 
     decisions = plan(LiveFacts())
+    hooks = []
     for decision in decisions:
         if decision.patched:
-            HookRegistry.register(decision.path, decision.hook, getattr(HookType, decision.target.kind))
+            kind = getattr(HookType, decision.target.kind, None)
+            if kind is None:
+                raise LookupError(f"this SGLang's HookType has no {decision.target.kind} (needed for "
+                                  f"{decision.target.name})")
+            hooks.append((decision, kind))
+    return HookRegistry, hooks, decisions, row
+
+
+def _register_all(registry, hooks, decisions, row) -> None:
+    done = []
+    try:
+        for decision, kind in hooks:
+            registry.register(decision.path, decision.hook, kind)
+            done.append(decision)
+    except Exception as exc:  # SGLang's registry refused one: take back what it took, then say what stays
+        failed = f"registering {decision.target.name} failed ({type(exc).__name__}: {exc})"
+        stuck = _withdraw(registry, done)
+        status["patched"] = [f"{d.target.name} -> {d.path}" for d in stuck]
+        status["reason"] = failed
+        if not stuck:
+            withdrawn = f"; the {len(done)} hooks registered before it were withdrawn" if done else ""
+            log.warning("sglang-hicache-jit: plugin not active (%s%s); SGLang runs unchanged", failed, withdrawn)
+        else:
+            log.error("sglang-hicache-jit: plugin PARTLY active: %s, and %d hooks registered before it could not "
+                      "be withdrawn, so SGLang applies them:%s", failed, len(stuck),
+                      "".join(f"\n  {name}" for name in status["patched"]))
+        return
+    for decision in decisions:
+        if decision.patched:
             status["patched"].append(f"{decision.target.name} -> {decision.path}")
         elif decision.path is None:
             status["absent"].append((decision.target.name, decision.why))
         else:
             status["skipped"].append((decision.target.name, decision.why))
     status["registered"] = True
-    _log_summary(decisions)
+    _log_summary(decisions, row)
 
 
-def _log_summary(decisions) -> None:
-    row = release_row(status["sglang"])
+def _withdraw(registry, done: list) -> list:
+    """Takes the hooks of ``done`` out of SGLang's registry table; returns those it could not."""
+    table = getattr(registry, "_hooks", None)
+    applied = getattr(registry, "_patched", ())
+    stuck = []
+    for decision in reversed(done):
+        try:
+            entries = table.get(decision.path) if isinstance(table, dict) else None
+            ours = [i for i, entry in enumerate(entries or ())
+                    if isinstance(entry, tuple) and any(part is decision.hook for part in entry)]
+            if not ours or decision.path in applied:  # not where 0.5.11-0.5.23 keep it, or applied already
+                stuck.append(decision)
+                continue
+            del entries[ours[-1]]
+            if not entries:  # an empty list would still make apply_hooks() visit the target
+                del table[decision.path]
+        except Exception:  # a registry of another shape: this hook stays, and the log says so
+            stuck.append(decision)
+    return stuck[::-1]
+
+
+def _log_summary(decisions, row) -> None:
     checked = (f"checked against sglang {row['sglang']}" if row is not None
                else "not among the releases this package was checked against; patching what fits")
     ops = sum(1 for d in decisions if d.patched and d.target.kind == "REPLACE")
@@ -101,5 +172,7 @@ def _log_summary(decisions) -> None:
 
 
 def reload_for_tests() -> None:
-    """Forgets what register() did (the hooks themselves stay applied)."""
+    """Forgets what register() did, so it runs again (the hooks themselves stay registered and applied)."""
+    global _ran
+    _ran = False
     status.update(registered=False, sglang=None, patched=[], skipped=[], absent=[], reason="")
