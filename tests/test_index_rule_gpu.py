@@ -123,7 +123,7 @@ def test_host_pool_direct_transfers_refuse_wrapping_device_pages(kind, layout):
     with pytest.raises(TransferIndexError, match="indices_src"):
         pool.backup_from_device_all_layer(device, torch.arange(4), device_idx, "direct")
     assert all(g.untouched() for g in guarded)
-    assert torch.equal(pool.kv_buffer, host_before)
+    assert torch.equal(pool.kv_buffer.view(torch.uint8), host_before.view(torch.uint8))  # bytes: NaNs
 
 
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
@@ -138,7 +138,7 @@ def test_host_pool_page_first_direct_refuses_wrapping_host_tokens(io_backend):
             pool.backup_from_device_all_layer(device, big.to(where), torch.arange(4).to(where), io_backend)
             ops.check_errors()
     torch.cuda.synchronize()
-    assert torch.equal(pool.kv_buffer, host_before)
+    assert torch.equal(pool.kv_buffer.view(torch.uint8), host_before.view(torch.uint8))  # bytes: NaNs
     assert all(g.untouched() for g in guarded)
 
 
@@ -257,12 +257,12 @@ _UNREGISTER = textwrap.dedent("""
     assert not runtime.host_registered(torch.empty((8, 64), dtype=torch.uint8).data_ptr())
 
     def registered(rows):  # as a pool's host buffer: pageable memory, then cudaHostRegister
-        # Whole pages of their own, so that no registration overlaps another's pages.
-        raw = torch.empty(rows * 512 + 8192, dtype=torch.uint8)
-        offset = -raw.data_ptr() % 4096
-        t = raw[offset:offset + rows * 512].view(rows, 2, 256)
+        # 256 KiB: malloc maps pages of their own for it, so no registration overlaps another's pages; the
+        # whole storage is registered, as the pools do (torch's is_pinned asks about the storage's start).
+        raw = torch.empty(256 * 1024, dtype=torch.uint8)
+        t = raw[:rows * 512].view(rows, 2, 256)
         t.random_(0, 256)
-        runtime.host_register(t.data_ptr(), -(-t.numel() // 4096) * 4096)
+        runtime.host_register(raw.data_ptr(), raw.numel())
         assert runtime.host_registered(t.data_ptr()) and runtime.host_registered(t[rows - 1, 1].data_ptr())
         return t
 
