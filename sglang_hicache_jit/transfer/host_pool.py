@@ -76,7 +76,7 @@ class MHADevicePool:
     owned_layers: tuple | None = None
 
 
-# Where a load on the copy engines keeps up with the kernel (tools/bench_auto.py, H200, 1152-B rows,
+# Where a load on the copy engines keeps up with the kernel (tools/bench_auto.py, now tools/bench.py layouts; H200, 1152-B rows,
 # page_first_direct, SGLang's 8-layer per-layer load loop, two runs, docs/BENCHMARKS.md 2026-12-04): at 64K
 # tokens per layer with copies of 288 KiB (pages of 256 rows) or 576 KiB they moved 0.95-0.99 of the link
 # beside back-to-back bf16 matmuls at +2.6-4.2% matmul time, the kernel 0.76-0.78 at +7.0-8.5%; with
@@ -93,7 +93,7 @@ def choose_io_backend(kernel_available: bool, operation: str, *, copy_bytes: int
     Backups, which are off the critical path, take the copy engines: beside a
     saturating bf16 matmul on an H200 an all-layer backup through the kernel
     moved 39 GB/s but slowed the matmul by 35%, against 15 GB/s and +3% on the
-    copy engines (tools/bench_pool.py). Loads take the kernel (0.80-0.82 of the
+    copy engines (tools/bench_pool.py, now tools/bench.py layouts). Loads take the kernel (0.80-0.82 of the
     link alone at 16K-64K tokens per layer), unless the call is one the copy
     engines serve faster at half the matmul's slow-down: each copy
     (``copy_bytes``, one page of one layer when the layout keeps it contiguous)
