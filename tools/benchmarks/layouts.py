@@ -6,7 +6,10 @@ pool of 256K slots per layout and page size; random bytes everywhere, random who
 sorted, as HiCache's allocator hands them out after churn, device pages in random order).
 
 * A **load** is SGLang's loop: ``load_to_device_per_layer`` for layers 0..7, one call each, with the same
-  index tensors every layer. A **backup** is one ``backup_from_device_all_layer``.
+  index tensors every layer. A **backup** is one ``backup_from_device_all_layer``. Each load and backup
+  gets fresh copies of the index tensors, as SGLang's are made per load (``--keep-indices``: the same
+  tensors every call), so a plan kept per index tensor serves one load's layers, never the next load.
+  A load's row also has the time to its first layer and to its last (``first_layer_s``, ``last_layer_s``).
 * ``layouts`` runs each through the pool's ``io_backend`` values in PROVIDERS (``kernel`` with GPU
   indices, ``direct`` and ``auto`` with CPU indices, as SGLang's cache controller moves them for each
   backend); ``--providers NAME=IO_BACKEND[/cpu|cuda[/DIRECT_MODE]]`` adds one without editing.
@@ -94,6 +97,9 @@ def add_arguments(p, workload: str) -> None:
     p.add_argument("--window-s", type=float, default=0.2, help="matmul time per measurement beside it")
     p.add_argument("--runs", type=int, default=3, help="measurements beside the matmul per figure (median)")
     p.add_argument("--no-beside", action="store_true", help="alone only")
+    p.add_argument("--keep-indices", action="store_true",
+                   help="the same index tensors for every call (default: fresh copies per load or backup, as "
+                        "SGLang makes them, so a plan kept per tensor serves one load's layers only)")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting new cells after this many seconds")
     p.add_argument("--smoke", action="store_true",
                    help="CPU only, tiny sizes: runs every line and every bit-exact check; rates mean nothing")
@@ -165,7 +171,8 @@ class Bench:
     def measure(self, call, nbytes: int) -> dict:
         """Alone (medians of back-to-back calls on the side stream) and beside the matmul (medians of runs)."""
         with self.cuda.stream(self.side):
-            times = self.workloads.time_call(call, budget_s=self.budget_s, cuda=self.cuda)
+            times = self.workloads.time_call(call, budget_s=self.budget_s, cuda=self.cuda,
+                                             **({"min_reps": 1, "max_reps": 2} if self.smoke else {}))
         result = {"alone_s": statistics.median(times), "alone_reps": len(times),
                   "alone_gbps": nbytes / statistics.median(times) / 1e9}
         if self.load is None:
@@ -248,18 +255,16 @@ def pool_calls(bench: Bench, providers: dict, pool, device_pool, op: str, host_i
         if provider.layouts and pool.layout not in provider.layouts:
             continue
         where = bench.device if provider.indices == "cuda" else "cpu"
-        h, d = host_idx.to(where), dev_idx.to(where)
         backend = provider.io_backend
         if op == "load":
-            def call(h=h, d=d, backend=backend):
-                for layer in range(LAYERS):
-                    pool.load_to_device_per_layer(device_pool, h, d, layer, backend)
+            def transfer(idx, layer, backend=backend):
+                pool.load_to_device_per_layer(device_pool, idx[0], idx[1], layer, backend)
         else:
-            def call(h=h, d=d, backend=backend):
-                pool.backup_from_device_all_layer(device_pool, h, d, backend)
+            def transfer(idx, layer, backend=backend):
+                pool.backup_from_device_all_layer(device_pool, idx[0], idx[1], backend)
         fields = {"provider": name, "io_backend": backend, "indices": provider.indices,
                   "direct_mode": provider.direct_mode}
-        yield name, fields, call, provider.direct_mode or "auto"
+        yield name, fields, (host_idx.to(where), dev_idx.to(where)), transfer, provider.direct_mode or "auto"
 
 
 class CpuOps:
@@ -295,14 +300,49 @@ def quota_calls(bench: Bench, quotas: list, pool, device_pool, op: str, host_idx
     for quota in quotas:
         budget = quota or None
         if op == "load":
-            def call(budget=budget):
-                for layer in range(LAYERS):
-                    ops.transfer_one_layer_mla(layers[layer], dev, views[layer], rows, block_quota=budget)
+            def transfer(idx, layer, budget=budget):
+                ops.transfer_one_layer_mla(layers[layer], idx[1], views[layer], idx[0], block_quota=budget)
         else:
-            def call(budget=budget):
-                ops.transfer_all_layer(host_table, rows, dev_table, dev, block_quota=budget)
+            def transfer(idx, layer, budget=budget):
+                ops.transfer_all_layer(host_table, idx[0], dev_table, idx[1], block_quota=budget)
         name = f"q{quota}" if quota else "default"
-        yield name, {"provider": name, "quota": quota or None}, call, None
+        yield name, {"provider": name, "quota": quota or None}, (rows, dev), transfer, None
+
+
+def whole_call(transfer, idx, op: str, fresh: bool):
+    """One load (the per-layer loop) or one backup. With ``fresh``, each call gets its own copies of the
+    index tensors, as each of SGLang's loads and backups does: a plan kept for one tensor serves the layers
+    of one load, never the next call."""
+    def call():
+        i = tuple(t.clone() for t in idx) if fresh else idx
+        if op == "load":
+            for layer in range(LAYERS):
+                transfer(i, layer)
+        else:
+            transfer(i, None)
+    return call
+
+
+def layer_times(bench: Bench, transfer, idx, fresh: bool, reps: int = 5) -> dict:
+    """A load's time to its first layer and to its last (medians of ``reps`` loads, CUDA events on the
+    stream the loop runs on, recorded after each layer's call): when layer 0 is usable, when all are."""
+    samples = []
+    with bench.cuda.stream(bench.side):
+        for _ in range(reps + 1):
+            bench.cuda.synchronize()
+            i = tuple(t.clone() for t in idx) if fresh else idx
+            start = bench.cuda.Event(enable_timing=True)
+            start.record()
+            marks = []
+            for layer in range(LAYERS):
+                transfer(i, layer)
+                marks.append(bench.cuda.Event(enable_timing=True))
+                marks[-1].record()
+            bench.cuda.synchronize()
+            samples.append([start.elapsed_time(m) / 1e3 for m in marks])
+    samples = samples[1:]  # the first one warms up
+    return {"first_layer_s": statistics.median(s[0] for s in samples),
+            "last_layer_s": statistics.median(s[-1] for s in samples)}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -350,13 +390,16 @@ def _cell(bench, out, pool, device_pool, layout, page, tokens, op, host_idx, dev
     link = base["alone_gbps"]
     _print(out.row(**cell, provider="contiguous", **_ratios(base, link), exact=True, **base))
     failed = 0
-    for name, fields, call, direct_mode in calls(pool, device_pool, op, host_idx, dev_idx):
+    for name, fields, idx, transfer, direct_mode in calls(pool, device_pool, op, host_idx, dev_idx):
+        call = whole_call(transfer, idx, op, not bench.args.keep_indices)
         pool.direct_mode = direct_mode or "auto"
         pool.last_direct_mode = None
         try:
             ok = exact(bench, pool, device_pool, host_idx, dev_idx, op, call)
             ran = pool.last_direct_mode
             result = bench.measure(call, nbytes)
+            if op == "load":
+                result.update(layer_times(bench, transfer, idx, not bench.args.keep_indices, 1 if bench.smoke else 5))
         except Exception as exc:  # a path this tree lacks, or one that fails: a row says so, the run goes on
             bench.cuda.synchronize()
             _print(out.row(**cell, **fields, exact=False, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
@@ -385,6 +428,8 @@ def _print(row: dict) -> None:
     beside = (f"  beside {row['beside_gbps']:6.1f} GB/s x{row['beside_ratio']:.2f} matmul "
               f"{row['slowdown'] * 100:+.1f}%") if "beside_gbps" in row else ""
     ran = f"  [{row['ran']}]" if row.get("ran") else ""
+    if "first_layer_s" in row:
+        ran += f"  layer 0 at {row['first_layer_s'] * 1e3:.2f} ms, all at {row['last_layer_s'] * 1e3:.2f} ms"
     print(f"{head} alone {row['alone_gbps']:6.1f} GB/s x{row['alone_ratio']:.2f}{beside}"
           f"  exact={'yes' if row['exact'] else 'NO'}{ran}", flush=True)
 
