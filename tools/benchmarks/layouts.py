@@ -388,7 +388,7 @@ def _cell(bench, out, pool, device_pool, layout, page, tokens, op, host_idx, dev
             "row_bytes": pool.row_bytes, "layers": LAYERS}
     base = bench.measure(bench.ceiling.call(nbytes, direction), nbytes)
     link = base["alone_gbps"]
-    _print(out.row(**cell, provider="contiguous", **_ratios(base, link), exact=True, **base))
+    _print(out.row(**cell, provider="contiguous", **_ratios(base, link), exact=None, **base))  # a plain copy_
     failed = 0
     for name, fields, idx, transfer, direct_mode in calls(pool, device_pool, op, host_idx, dev_idx):
         call = whole_call(transfer, idx, op, not bench.args.keep_indices)
@@ -430,8 +430,8 @@ def _print(row: dict) -> None:
     ran = f"  [{row['ran']}]" if row.get("ran") else ""
     if "first_layer_s" in row:
         ran += f"  layer 0 at {row['first_layer_s'] * 1e3:.2f} ms, all at {row['last_layer_s'] * 1e3:.2f} ms"
-    print(f"{head} alone {row['alone_gbps']:6.1f} GB/s x{row['alone_ratio']:.2f}{beside}"
-          f"  exact={'yes' if row['exact'] else 'NO'}{ran}", flush=True)
+    exact = {True: "  exact=yes", False: "  exact=NO", None: ""}[row["exact"]]
+    print(f"{head} alone {row['alone_gbps']:6.1f} GB/s x{row['alone_ratio']:.2f}{beside}{exact}{ran}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -473,4 +473,13 @@ def table(rows: list[dict], workload: str) -> list[str]:
         tok = f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
         lines.append(f"| {layout} | {page} | {tok} | {op} | {contiguous} | "
                      + " | ".join(_figure(by.get(p)) for p in providers) + " |")
+    loads = [(key, by) for key, by in cells.items() if any("first_layer_s" in r for r in by.values())]
+    if loads:
+        lines += ["", f"{workload}, loads alone: ms to layer 0 / to the last layer",
+                  "| layout | page | tokens | " + " | ".join(providers) + " |", "|" + "---|" * (3 + len(providers))]
+        for (layout, page, tokens, _), by in loads:
+            tok = f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+            times = [f"{by[p]['first_layer_s'] * 1e3:.2f} / {by[p]['last_layer_s'] * 1e3:.2f}"
+                     if "first_layer_s" in by.get(p, {}) else "-" for p in providers]
+            lines.append(f"| {layout} | {page} | {tok} | " + " | ".join(times) + " |")
     return lines
