@@ -1,6 +1,6 @@
 """One stand-in CUDA device for running the transfer ops' Python layer without a GPU.
 
-Used by tests/test_plan_cache.py and tools/bench_host_cost.py. Tensors keep
+Used by tests/test_plan_cache.py and tools/bench.py host-cost. Tensors keep
 CPU memory but claim to be on cuda:0 (``cuda(t)``) or in pinned memory
 (``pinned(t)``); the device state is built through launcher._DeviceState with the
 library loader, the capability query and pinned allocation stubbed, so the
@@ -133,7 +133,7 @@ class _FakeKernels:
 def _state_modules(ops) -> list:
     """Where the device state and the per-call CUDA queries live: transfer/launcher.py and
     transfer/resident.py beside ``ops``, or ``ops`` itself for a one-file ops.py of an older revision
-    (tools/bench_host_cost.py --baseline)."""
+    (tools/bench.py host-cost --baseline)."""
     if hasattr(ops, "_DeviceState"):
         return [ops]
     return [importlib.import_module(f"{ops.__package__}.{name}") for name in ("launcher", "resident")]

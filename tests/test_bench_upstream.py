@@ -261,18 +261,18 @@ def test_summary_puts_the_best_of_ours_beside_the_best_of_upstream_per_cell():
     json.dumps(rows)  # goes into the --json file as it is
 
 
-def _bench_report():
-    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "tools" / "bench_report.py")
+def _bench_driver():
+    spec = importlib.util.spec_from_file_location("bench_driver", ROOT / "tools" / "bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_bench_report_renders_ours_vs_upstream_as_markdown(tmp_path, capsys):
-    report = _bench_report()
+    driver = _bench_driver()
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"schema": 1, "records": [r for r in RECORDS if "mode" not in r]}))
-    report.main([str(path), "--vs-upstream"])
+    assert driver.main(["report", str(path), "--vs-upstream"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("| workload | layers | dir | page | tokens | ceiling | best ours | best upstream | "
                         "ours / upstream |")
@@ -280,7 +280,7 @@ def test_bench_report_renders_ours_vs_upstream_as_markdown(tmp_path, capsys):
                         "upstream-tma [tma] 30.0 (0.60) | 1.50 |")
     assert lines[3] == "| mla-bf16 | one | h2d | 1 | 1024 | 50.0 | jit 35.0 (0.70) | - | - |"
     assert len(lines) == 4
-    report.main([str(path)])  # the per-provider table still renders, upstream columns included
+    driver.main(["report", str(path)])  # the per-provider table still renders, upstream columns included
     assert "upstream-tma" in capsys.readouterr().out.splitlines()[0]
 
 

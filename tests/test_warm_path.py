@@ -1,7 +1,7 @@
 """The warm path (issue 10): a load from the cache imports nothing that only a build needs.
 
 A warm load, from `import sglang_hicache_jit` through `load_kernels()` after `import torch`, must take
-under 5 ms on a 2-core machine (tools/bench_loader.py measures it). Importing filelock alone took
+under 5 ms on a 2-core machine (tools/bench.py loader measures it). Importing filelock alone took
 65-80 ms there, platformdirs ~2.7 ms and torch.utils.cpp_extension far more, so these tests load in a
 fresh process and fail when the warm path imported one of them, or the package's build, prune or
 remote modules. Modules that `import torch` already brought in are not held against the package.

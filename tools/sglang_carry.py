@@ -20,7 +20,7 @@ only on CUDA is found too) and list every module they loaded. Then it writes, un
 
     python3 tools/sglang_carry.py 0.5.19 0.5.21 0.5.22 0.5.23 -o .devwhl
 
-``tools/gpu_sglang.sh`` runs the GPU cells from such a carry. Needs network
+``STEPS=sglang tools/gpu_bench.sh`` runs the GPU cells from such a carry. Needs network
 here (pip download) and this package installed with its ``sglang`` extra.
 """
 
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import release_kit  # noqa: E402
 
 # Sources of SGLang's own HiCache JIT kernels, which an unpatched pool builds on first use
-# (tools/bench_pool_calls.py measures one): they are read by the compiler, not imported.
+# (tools/bench.py sglang-pool measures one): they are read by the compiler, not imported.
 UPSTREAM_JIT_SOURCES = re.compile(r"sglang/(kernels/jit|jit_kernel)/(include/|csrc/kvcacheio/)")
 # Loaded here because of this machine's own tools (pytest, pip), or part of the GPU image's torch stack.
 NEVER = {"sglang", "sglang-hicache-jit", "torch", "triton", "pip", "setuptools", "pytest", "pluggy", "iniconfig"}

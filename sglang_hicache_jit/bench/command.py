@@ -9,7 +9,8 @@ direction) is measured in the same run, and every ratio is against it. Upstream 
 run as the ``upstream*`` providers (upstream.py) when SGLang is importable; a transfer run ends
 with a summary of the best of ours against the best of upstream per cell.
 
-Run with ``sglang-hicache-jit bench`` or ``python tools/bench_transfer.py``.
+Run with ``sglang-hicache-jit bench``, or ``python3 tools/bench.py grid|beside|overhead`` (the same
+options, and the result rows of every tools/bench.py workload).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .report import plot, summarize, summary_lines
 from .workloads import WORKLOADS
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The benchmark's options (shared by `sglang-hicache-jit bench` and tools/bench_transfer.py)."""
+    """The benchmark's options (shared by `sglang-hicache-jit bench` and tools/bench.py grid, beside, overhead)."""
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--scopes", nargs="+", default=["one", "all"], choices=["one", "all"])
     p.add_argument("--directions", nargs="+", default=["h2d", "d2h"], choices=["h2d", "d2h"])
@@ -65,14 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="bench_transfer.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="bench", description=__doc__.splitlines()[0])
     add_arguments(p)
     p.add_argument("-q", "--quiet", action="store_true", help="print no row per measurement")
     return p.parse_args(argv)
 
 
-def run_parsed(args) -> int:
-    """Runs the benchmark for parsed arguments; torch is imported only here, after parsing."""
+def run_parsed(args, records: list | None = None) -> int:
+    """Runs the benchmark for parsed arguments; torch is imported only here, after parsing. ``records``
+    receives each record as it is measured (tools/bench.py passes a list that writes them out at once)."""
     try:
         for name in args.providers or []:
             check_provider(name)
@@ -92,7 +94,7 @@ def run_parsed(args) -> int:
         print("error: bench needs a CUDA GPU (the transfers run between GPU memory and pinned host memory)",
               file=sys.stderr)
         return 2
-    records: list = []
+    records = [] if records is None else records
     interrupted = False
     # A run stopped by Ctrl-C or SIGTERM (e.g. `timeout`) still writes what it measured.
     main_thread = threading.current_thread() is threading.main_thread()

@@ -9,7 +9,7 @@ import time
 
 from .providers import _build_or_skip, _providers, family
 from .report import _row
-from .workloads import LAYERS, log, make_indices, make_pools, time_call
+from .workloads import LAYERS, beside, log, make_indices, make_pools, matmul, time_call
 
 def run(args, records: list | None = None) -> list[dict]:
     import torch
@@ -67,21 +67,17 @@ def run(args, records: list | None = None) -> list[dict]:
 
 
 def interference(args, records: list | None = None) -> list[dict]:
-    """A bf16 matmul saturating the GPU on the compute stream, transfers on a side stream.
+    """A bf16 matmul saturating the GPU on the compute stream, transfers on a side stream
+    (workloads.beside).
 
     For each provider: the matmul's slow-down against running alone, and the
     transfer rate achieved while it runs (ratio to the unloaded ceiling).
     """
-    import collections
-
     import torch
 
     m = args.gemm_size
     if args.load == "matmul":  # one saturating matmul after another: prefill-like
-        a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-        b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-        c = torch.empty_like(a)
-        gemm = lambda: torch.mm(a, b, out=c)  # noqa: E731
+        gemm = matmul(m)
     else:  # decode-like: a step of many small matmuls (64 tokens), then a gap of ~0.1 ms with one SM busy
         a = torch.randn(64, m, dtype=torch.bfloat16, device="cuda")
         b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
@@ -116,37 +112,9 @@ def interference(args, records: list | None = None) -> list[dict]:
                     if provider == "ceiling" and priority_name == "normal":
                         ceiling = nbytes / alone / 1e9
                     side = torch.cuda.Stream(priority=priority)
-                    reps = max(3, int(round(args.gemm_seconds / gemm_alone)))
-                    torch.cuda.synchronize()
-                    g0, g1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    # The load alone, just before: the GPU's clocks drift as it heats, so a baseline
-                    # taken once at the start would count that drift as slow-down.
-                    g0.record()
-                    for _ in range(reps):
-                        gemm()
-                    g1.record()
-                    g1.synchronize()
-                    load_alone = g0.elapsed_time(g1) / 1e3 / reps
-                    g0.record()
-                    for _ in range(reps):
-                        gemm()
-                    g1.record()
-                    count, pending = 0, collections.deque()
-                    with torch.cuda.stream(side):
-                        t0.record(side)
-                        while not g1.query():
-                            fn()
-                            done = torch.cuda.Event()
-                            done.record(side)
-                            pending.append(done)
-                            count += 1
-                            if len(pending) > 4:
-                                pending.popleft().synchronize()
-                        t1.record(side)
-                    torch.cuda.synchronize()
-                    gemm_loaded = g0.elapsed_time(g1) / 1e3 / reps
-                    loaded_gbps = count * nbytes / (t0.elapsed_time(t1) / 1e3) / 1e9
+                    got = beside(fn, gemm, window_s=args.gemm_seconds, load_s=gemm_alone, stream=side)
+                    count, load_alone, gemm_loaded = got["calls"], got["load_alone_s"], got["load_beside_s"]
+                    loaded_gbps = count * nbytes / got["seconds"] / 1e9
                     record = dict(mode="interference", load=args.load, workload=workload,
                                   host_layout=args.host_layout, direction=direction, tokens=tokens, page_size=page_size, provider=provider, family=family(provider),
                                   kernel=getattr(fn, "kernel", None), priority=priority_name,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from . import upstream
 from .upstream import Unavailable
-from .workloads import LAYERS, Pools, _fill_random
+from .workloads import LAYERS, Ceiling, Pools
 
 def _providers(args):
     if args.providers:  # an explicit list may name tuned variants, e.g. jit-bulk-q4-w2-a128, upstream-tma-q8
@@ -88,14 +88,7 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
 
     if provider == "ceiling":
         nbytes = n * pools.row_bytes * caches * (LAYERS if scope == "all" else 1)
-        key = ("ceiling", nbytes)
-        if key not in scratch:
-            scratch.clear()
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            _fill_random(host, torch)
-            scratch[key] = (host, torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
-        host, dev = scratch[key]
-        return (lambda: dev.copy_(host, non_blocking=True)) if to_device else (lambda: host.copy_(dev, non_blocking=True))
+        return scratch.setdefault("ceiling", Ceiling()).call(nbytes, direction)
 
     if provider.startswith("jit"):
         method, quota, tuning = _parse_jit_provider(provider)

@@ -96,7 +96,7 @@ def main(request_path: str) -> int:
     started = time.monotonic()
     result = subprocess.run(command, stdin=subprocess.DEVNULL)
     seconds = time.monotonic() - started
-    # Per-step times for the log (tools/bench_loader.py reads them for its breakdown).
+    # Per-step times for the log (tools/bench.py loader reads them for its breakdown).
     for output, step_seconds in step_times(request["build_dir"]):
         print(f"step {output} {step_seconds:.3f} s")
     print(f"ninja {seconds:.3f} s", flush=True)

@@ -77,7 +77,7 @@ class MHADevicePool:
 
 
 # Where a load goes to the copy engines (H200, 1152-B rows, SGLang's 8-layer per-layer load loop, with the
-# plan made once per load; docs/BENCHMARKS.md 2026-12-04): beside back-to-back bf16 matmuls, copies of a
+# plan made once per load; tools/bench.py layouts, docs/BENCHMARKS.md 2026-12-04): beside back-to-back bf16 matmuls, copies of a
 # 64-token page of one layer (72 KiB) moved 0.55 / 0.75 / 0.88 / 0.93 of the link at 1K / 4K / 16K / 64K
 # tokens per layer against the kernel's 0.16 / 0.33 / 0.43 / 0.79 (its launches wait for SMs), and alone
 # 0.29 / 0.74 / 0.99 / 0.99 against 0.30 / 0.63 / 0.80 / 0.82. Copies of 16-token pages (18 KiB) still

@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Host cost of ops.py's Python layer per transfer call, measured without a GPU.
+"""``host-cost``: host cost of ops.py's Python layer per transfer call, measured without a GPU.
 
 Tensors are CPU memory dressed as cuda:0 or pinned memory and the C launcher
 is a no-op C function with the same signature, called through ctypes as the
@@ -11,18 +10,18 @@ The stand-in tensors make each tensor attribute read ~60 ns dearer than a
 real one, in both columns.
 Needs a C compiler (cc). Run from the checkout:
 
-    python3 tools/bench_host_cost.py                 # this tree's ops.py
-    python3 tools/bench_host_cost.py --baseline main # ... and main's, side by side
+    python3 tools/bench.py host-cost                 # this tree's ops.py
+    python3 tools/bench.py host-cost --baseline main # ... and main's, side by side
 
 The "routed" rows call integrations/sglang/ops.py as SGLang 0.5.23's host
 pools do once the plugin is active (keyword arguments, element_dim, a
 per-layer view of a page_first buffer); with --baseline, that revision's
 integrations/sglang/ops.py (sglang_ops.py before), compat.py and ops.py are used together.
 
-On a GPU, ``sglang-hicache-jit bench --mode overhead`` measures the whole call.
+On a GPU, ``tools/bench.py overhead`` (``sglang-hicache-jit bench --mode overhead``) measures the whole call.
 """
 
-import argparse
+import importlib
 import importlib.util
 import subprocess
 import sys
@@ -30,14 +29,7 @@ import time
 import weakref
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-import torch  # noqa: E402
-
-import fake_gpu  # noqa: E402
-from sglang_hicache_jit import ops as current_ops  # noqa: E402
-from sglang_hicache_jit.integrations.sglang import ops as current_routed  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 TOKENS, SLOTS, LAYERS, ROW = 64, 4096, 8, 1152
 
@@ -87,6 +79,8 @@ def load_baseline(rev: str):
 def layer_table(ops, groups, **kwargs):
     """A LayerTable whose device pointer tables are CPU tensors (built on a
     GPU by LayerTable.tables on first use)."""
+    import torch
+
     table = ops.LayerTable(groups[0] if len(groups) == 1 else tuple(groups), **kwargs)
     table._tables[0] = [torch.tensor([s.ptr for s in sides], dtype=torch.uint64) for sides in table.sides]
     return table
@@ -95,6 +89,10 @@ def layer_table(ops, groups, **kwargs):
 def calls(ops, routed):
     """The timed calls, host -> GPU as in bench --mode overhead (the routed
     backup: GPU -> host)."""
+    import torch
+
+    import fake_gpu
+
     dev = [[fake_gpu.cuda(torch.zeros(SLOTS, ROW, dtype=torch.uint8)) for _ in range(LAYERS)] for _ in range(2)]
     # page_first host pool: [slots, layers, row]; a layer is a strided view.
     host_buf = [torch.zeros(SLOTS, LAYERS, ROW, dtype=torch.uint8) for _ in range(2)]
@@ -141,13 +139,18 @@ def calls(ops, routed):
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", metavar="REV", help="also time ops.py of this git revision")
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds; the best counts (the "
-                        "least disturbed by other processes)")
-    parser.add_argument("--calls", type=int, default=5000, help="calls per round")
-    args = parser.parse_args()
+def add_arguments(p, name: str) -> None:
+    p.add_argument("--baseline", metavar="REV", help="also time ops.py of this git revision")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds; the best counts (the "
+                   "least disturbed by other processes)")
+    p.add_argument("--calls", type=int, default=5000, help="calls per round")
+
+
+def run(args, out, name: str) -> int:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import fake_gpu
+    from sglang_hicache_jit import ops as current_ops
+    from sglang_hicache_jit.integrations.sglang import ops as current_routed
 
     versions = {"this tree": (current_ops, current_routed)}
     if args.baseline:
@@ -173,11 +176,9 @@ def main() -> int:
     print(f"{'us per call (best of ' + str(args.rounds) + ' rounds)':<30}" + "".join(f"{lb:>14}" for lb in labels)
           + ("   change" if len(labels) == 2 else ""))
     for case in suites[labels[0]]:
-        medians = [min(samples[label, case]) for label in labels]
-        change = f"   {medians[1] / medians[0] - 1:+.0%}" if len(medians) == 2 else ""
-        print(f"{case:<30}" + "".join(f"{m:14.2f}" for m in medians) + change)
+        best = [min(samples[label, case]) for label in labels]
+        change = f"   {best[1] / best[0] - 1:+.0%}" if len(best) == 2 else ""
+        print(f"{case:<30}" + "".join(f"{m:14.2f}" for m in best) + change)
+        for label, value in zip(labels, best):
+            out.row(case=case, tree=label, us_per_call=value, rounds=args.rounds, calls=args.calls)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

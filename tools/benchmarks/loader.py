@@ -1,5 +1,6 @@
-#!/usr/bin/env python3
-"""Loader timings, on CPU: no GPU needed, the arch is named.
+"""``loader`` and ``warm-ab``: the kernels' loader timed on the CPU (no GPU needed, the arch is named).
+
+``loader``:
 
     cold build        wall of `prewarm --arch A` on an empty cache (one process; best of --cold-runs)
     cold breakdown    the same build in an instrumented process (best of --cold-runs by wall): interpreter
@@ -17,12 +18,20 @@ The package's bytecode is compiled first (as pip does at install): under PYTHOND
 checkout would otherwise compile every module from source in every process, which is not what an
 installed package costs.
 
-Usage: python tools/bench_loader.py [--arch 9.0] [--runs 7] [--cold-runs 3] [--quick] [--json-out loader.json]
+``warm-ab``: warm load of two installations, interleaved: which one loads faster from its own warm cache.
+Each side is an interpreter (e.g. a venv's python with one wheel installed) and a cache directory it has
+prewarmed (`sglang-hicache-jit prewarm --arch A` with SGLANG_HICACHE_JIT_CACHE_DIR set). Every round
+starts one fresh process per side, in turn, and times what ``loader``'s warm load times. Taking the sides
+in turn puts any drift of the machine on both alike, and the order flips every round (A B, B A, ...): on
+the 2-core dev box the same installation timed 1 ms apart in medians by its place in the round alone.
+
+    python3 tools/bench.py loader [--arch 9.0] [--runs 7] [--cold-runs 3] [--quick]
+    python3 tools/bench.py warm-ab --side before=/tmp/venv-before/bin/python:/tmp/cache-before \\
+                                   --side after=/tmp/venv-after/bin/python:/tmp/cache-after --rounds 21
 """
 
 from __future__ import annotations
 
-import argparse
 import compileall
 import json
 import re
@@ -36,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 LOAD = (
     "import json, sys, time, torch\n"
@@ -158,16 +167,7 @@ def _format_cold(c: dict) -> str:
             f"(ninja {ninja}: {steps}) + after {c['after_compiler']:.2f} + exit {c['exit']:.2f}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="9.0")
-    parser.add_argument("--runs", type=int, default=7, help="fresh processes per load measurement")
-    parser.add_argument("--cold-runs", type=int, default=3, help="cold builds per cold measurement (best is kept)")
-    parser.add_argument("--concurrent", type=int, default=8)
-    parser.add_argument("--quick", action="store_true", help="cold build, breakdown and warm load only")
-    parser.add_argument("--json-out", help="write the results here as JSON")
-    args = parser.parse_args()
-
+def loader(args, out) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-loader-"))
     results: dict = {"arch": args.arch, "runs": args.runs, "machine": {
         "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}}
@@ -189,7 +189,7 @@ def main() -> int:
         results["warm_load_kernels_ms"] = statistics.median(r["load"] for r in split) * 1e3
         results["warm_heavy_modules"] = sorted({m for r in split for m in r["heavy"]})
         if args.quick:
-            return _report(args, results)
+            return _report(args, results, out)
 
         many = tmp / "many"
         started = time.perf_counter()
@@ -226,10 +226,10 @@ def main() -> int:
         for dirpath, _, _ in os.walk(tmp):
             os.chmod(dirpath, 0o755)
         shutil.rmtree(tmp, ignore_errors=True)
-    return _report(args, results)
+    return _report(args, results, out)
 
 
-def _report(args, results: dict) -> int:
+def _report(args, results: dict, out) -> int:
     results["load_average"] = os.getloadavg()
     rows = [
         ("cold build (prewarm, empty cache)", f"{results['cold_build_s']:.2f} s",
@@ -257,10 +257,66 @@ def _report(args, results: dict) -> int:
         print(f"  {name:<{width}}  {value:>10}  {note}")
     print(f"  cold build breakdown (best of {args.cold_runs}): {_format_cold(results['cold_breakdown'])}")
     print(f"  cold load_kernels breakdown (best of {args.cold_runs}): {_format_cold(results['cold_load_breakdown'])}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
+    out.row(**results)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _side(text: str) -> tuple[str, str, str]:
+    name, _, rest = text.partition("=")
+    python, _, cache = rest.rpartition(":")
+    if not (name and python and cache):
+        raise ValueError(f"expected NAME=PYTHON:CACHE_DIR, got {text!r}")
+    return name, python, cache
+
+
+def load_once(python: str, cache: str, arch: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
+    env["SGLANG_HICACHE_JIT_CACHE_DIR"] = cache
+    # From an empty directory, so no checkout on the path shadows the installed package.
+    with tempfile.TemporaryDirectory() as cwd:
+        out = subprocess.run([python, "-c", LOAD.format(arch=arch)], env=env, cwd=cwd, capture_output=True,
+                             text=True, timeout=300)
+    if out.returncode:
+        raise SystemExit(f"{python} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def warm_ab(args, out) -> int:
+    samples = {name: [] for name, _, _ in args.side}
+    for name, python, cache in args.side:  # one unmeasured load each: the page cache warm for both
+        load_once(python, cache, args.arch)
+    for round_ in range(args.rounds):
+        for name, python, cache in (args.side if round_ % 2 == 0 else args.side[::-1]):
+            result = load_once(python, cache, args.arch)
+            if result["heavy"]:
+                raise SystemExit(f"{name}: the warm path imported {result['heavy']}")
+            samples[name].append(result)
+    print(f"warm load, {args.rounds} interleaved rounds, arch {args.arch} (ms: median / best)")
+    summary = {}
+    for name, runs in samples.items():
+        row = {part: (statistics.median(r[part] for r in runs) * 1e3, min(r[part] for r in runs) * 1e3)
+               for part in ("seconds", "import", "load")}
+        summary[name] = row
+        out.row(side=name, rounds=args.rounds, arch=args.arch,
+                **{f"{part}_ms_{stat}": row[part][i] for part in row for i, stat in enumerate(("median", "best"))},
+                samples=runs)
+        print(f"  {name:<10} total {row['seconds'][0]:6.2f} / {row['seconds'][1]:6.2f}   import "
+              f"{row['import'][0]:6.2f} / {row['import'][1]:6.2f}   load_kernels {row['load'][0]:6.2f} / "
+              f"{row['load'][1]:6.2f}")
+    return 0
+
+
+def add_arguments(p, name: str) -> None:
+    p.add_argument("--arch", default="9.0")
+    if name == "loader":
+        p.add_argument("--runs", type=int, default=7, help="fresh processes per load measurement")
+        p.add_argument("--cold-runs", type=int, default=3, help="cold builds per cold measurement (best is kept)")
+        p.add_argument("--concurrent", type=int, default=8)
+        p.add_argument("--quick", action="store_true", help="cold build, breakdown and warm load only")
+    else:
+        p.add_argument("--side", action="append", type=_side, required=True, help="NAME=PYTHON:CACHE_DIR (twice)")
+        p.add_argument("--rounds", type=int, default=21)
+
+
+def run(args, out, name: str) -> int:
+    return loader(args, out) if name == "loader" else warm_ab(args, out)
