@@ -449,3 +449,17 @@ def test_host_to_gpu_copies_carry_the_destination_hint(launches):
     ops.transfer_one_layer(d, dev(), gpu_idx(1), h, host(), gpu_idx(2))
     ops.transfer_one_layer(h, host(), gpu_idx(1), d, dev(), gpu_idx(2))
     assert [c["hints"] for c in launches.calls] == [1, 0, 1, 0]
+
+
+def test_transfers_into_host_memory_default_to_the_measured_cta_budget(launches):
+    """Beside compute 2 CTAs give the most link per point of matmul slowdown for GPU -> host copies
+    (abi.D2H_BLOCK_QUOTA, tools/bench.py cta): the ops pass it where the caller gives none."""
+    d, h = fake_gpu.cuda(torch.zeros(64 * 16, dtype=torch.uint8)), host(128, 8)
+    ops.transfer_one_layer_mla(h, gpu_idx(1), d, gpu_idx(1), element_dim=8)  # GPU -> host
+    assert launches.last["num_blocks"] == ops.D2H_BLOCK_QUOTA == 2
+    ops.transfer_one_layer_mla(h, gpu_idx(1), d, gpu_idx(1), element_dim=8, block_quota=8)
+    assert launches.last["num_blocks"] == 8  # the caller's choice stands
+    ops.transfer_one_layer_mla(d, gpu_idx(1), h, gpu_idx(1), element_dim=8)  # host -> GPU: the kernel's default
+    assert launches.last["num_blocks"] == 0
+    ops.transfer_one_layer(h, h, gpu_idx(1), d, d, gpu_idx(1), element_dim=8)  # K and V, GPU -> host
+    assert launches.last["num_blocks"] == 2

@@ -12,6 +12,11 @@ import torch
 # bulk engine (host -> GPU), 8 for plain loads and stores (GPU -> host). For
 # reference only: the kernel's kDefaultBulkBlocks / kDefaultPlainBlocks decide.
 DEFAULT_BLOCK_QUOTA = {"bulk": 4, "plain": 8}
+# ...except into host memory, where the ops pass 2 themselves: beside back-to-back bf16 matmuls on an H200
+# an all-layer backup of 16K-64K tokens moved 0.54-0.57 of the link at +8 to +10% matmul time with 2 CTAs,
+# 0.87 at +102 to +179% with 8 (alone 0.79-0.84 against 0.93). Transfers in a server run beside compute,
+# so the default is the budget with the most link per point of slowdown (tools/bench.py cta, 2026-12-04).
+D2H_BLOCK_QUOTA = 2
 _METHODS = {"auto": 0, "plain": 1, "bulk": 2}
 METHOD_NAMES = {1: "plain", 2: "bulk", 17: "resident-plain", 18: "resident-bulk"}
 # Or'ed into a method code: submit through the resident kernel's queue

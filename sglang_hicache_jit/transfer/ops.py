@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .abi import DEFAULT_BLOCK_QUOTA, METHOD_NAMES, RESIDENT_QUEUE_SLOTS  # noqa: F401  (public constants)
+from .abi import D2H_BLOCK_QUOTA, DEFAULT_BLOCK_QUOTA, METHOD_NAMES, RESIDENT_QUEUE_SLOTS  # noqa: F401  (public constants)
 from .checks import (LayerTable, MAX_BLOCK_QUOTA, _Side, _check_pair, _device_of, _pointer_table,  # noqa: F401
                      _quota, check_dense, check_index_tensor)
 from .launcher import check_errors, resident_stats, stop_resident  # noqa: F401  (public ops)
@@ -66,7 +66,8 @@ def transfer_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *, el
     device = _device_of(dst, src)
     plan = _Plan(device, dst_bases=(dst.ptr, 0), src_bases=(src.ptr, 0), dst_tables=(0, 0), src_tables=(0, 0),
                  num_layers=1, dst_stride=dst.stride, src_stride=src.stride, row_bytes=dst.row_bytes,
-                 dst_rows=dst.rows, src_rows=src.rows, to_device=src.device is None, quota=quota, method=method,
+                 dst_rows=dst.rows, src_rows=src.rows, to_device=src.device is None, to_host=dst.device is None,
+                 quota=quota, method=method,
                  host_memory=_host_memory(("cache_dst", dst), ("cache_src", src)))
     if key is not None:
         _keep(plans, key, plan, (root_dst, root_src))
@@ -117,7 +118,8 @@ def transfer_one_layer(k_dst, v_dst, indices_dst, k_src, v_src, indices_src, *, 
     device = _device_of(kd, vd, ks, vs)
     plan = _Plan(device, dst_bases=(kd.ptr, vd.ptr), src_bases=(ks.ptr, vs.ptr), dst_tables=(0, 0),
                  src_tables=(0, 0), num_layers=1, dst_stride=kd.stride, src_stride=ks.stride, row_bytes=kd.row_bytes,
-                 dst_rows=kd.rows, src_rows=ks.rows, to_device=ks.device is None, quota=quota, method=method,
+                 dst_rows=kd.rows, src_rows=ks.rows, to_device=ks.device is None, to_host=kd.device is None,
+                 quota=quota, method=method,
                  host_memory=_host_memory(("k_dst", kd), ("v_dst", vd), ("k_src", ks), ("v_src", vs)))
     if key is not None:
         _keep(plans, key, plan, roots)
@@ -180,7 +182,7 @@ def transfer_all_layer(tables_dst, indices_dst, tables_src, indices_src, *, bloc
     plan = _Plan(device, dst_bases=(0, 0), src_bases=(0, 0), dst_tables=dst.tables(device),
                  src_tables=src.tables(device), num_layers=dst.num_layers, dst_stride=dst.stride,
                  src_stride=src.stride, row_bytes=dst.row_bytes, dst_rows=dst.rows, src_rows=src.rows,
-                 to_device=src.device is None, quota=quota, method=method,
+                 to_device=src.device is None, to_host=dst.device is None, quota=quota, method=method,
                  host_memory=_table_host_memory(dst) + _table_host_memory(src))
     # The plan holds the addresses of the LayerTables' device pointer tables,
     # which live as long as the LayerTables, which the refs check.

@@ -11,7 +11,7 @@ import weakref
 import torch
 
 from .. import settings
-from .abi import _CTransfer, _HINT_DST_DEVICE, _NO_ERRORS, _RESIDENT, METHOD_NAMES
+from .abi import D2H_BLOCK_QUOTA, _CTransfer, _HINT_DST_DEVICE, _NO_ERRORS, _RESIDENT, METHOD_NAMES
 from .checks import _gpu_indices, _method_code, _settings
 from .direct import cuda_runtime
 from .launcher import _raise_reported, _state
@@ -84,10 +84,12 @@ class _Plan:
 
     def __init__(self, device: int, *, dst_bases, src_bases, dst_tables, src_tables, num_layers: int,
                  dst_stride: int, src_stride: int, row_bytes: int, dst_rows: int, src_rows: int, to_device: bool,
-                 quota: int, method, host_memory=()):
+                 quota: int, method, host_memory=(), to_host: bool = False):
         if not _settings:
             reload_settings()
         method_code = _method_code(method, to_device)
+        if quota == 0 and to_host and not method_code & _RESIDENT:
+            quota = D2H_BLOCK_QUOTA  # the default into host memory (abi.D2H_BLOCK_QUOTA says why)
         # The resident flag picks the submission (_DeviceState._submit_resident); the struct holds the method alone.
         self.resident = bool(method_code & _RESIDENT)
         self.refs = ()

@@ -440,6 +440,10 @@ def _all_layers(dst_tables, src_tables, indices_dst, indices_src, *, dst_stride,
                 block_quota, dst_rows=None) -> None:
     """``dst_rows``: the destination's slot count where the caller holds it as a tensor (the host
     buffer of a page_first write-back), so that both paths check indices_dst against it."""
+    # SGLang's all-layer ops are its backups, into host memory: the kernel's default there (as upstream's)
+    # is the CTA budget with the most link per point of matmul slowdown (transfer/abi.py, D2H_BLOCK_QUOTA).
+    if block_quota is None:
+        block_quota = D2H_BLOCK_QUOTA
     if kernel_available(item_size):
         ops.transfer_pointer_tables(dst_tables if len(dst_tables) > 1 else dst_tables[0], indices_dst,
                                     src_tables if len(src_tables) > 1 else src_tables[0], indices_src,
