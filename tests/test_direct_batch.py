@@ -28,7 +28,7 @@ class FakeDriver:
         attributes = direct.MemcpyAttributes.from_address(attrs)
         self.calls.append({"dst": read(dsts), "src": read(srcs), "size": read(sizes), "stream": args[-1],
                            "order": attributes.srcAccessOrder, "flags": attributes.flags,
-                           "first": ctypes.c_size_t.from_address(attr_idx).value, "attrs": num_attrs,
+                           "first": list((ctypes.c_size_t * count).from_address(attr_idx)), "attrs": num_attrs,
                            "fail_idx": fail_idx})
         return self.fail_with
 
@@ -42,7 +42,18 @@ def test_the_symbol_found_decides_the_arguments(version, v2, abi):
     call, = driver.lib.calls
     assert call["fail_idx"] is (abi == "12.8")
     assert (call["dst"], call["src"], call["size"], call["stream"]) == ([1 << 40, 2 << 40], [4096, 8192], [72, 144], 77)
-    assert (call["order"], call["flags"], call["first"], call["attrs"]) == (1, 0, 0, 1)  # stream order, one set
+    assert (call["order"], call["flags"], call["first"], call["attrs"]) == (1, 0, [0, 0], 1)  # stream order, one set
+
+
+def test_every_copy_of_a_call_has_an_attribute_index():
+    """cuda.h says attrsIdxs holds numAttrs entries; crashes elsewhere were fixed by passing one per copy, as if
+    the driver read `count` of them: the array the call gets holds a zero for every copy of the largest call."""
+    driver = direct.DriverBatch(FakeDriver(13000, True))
+    count = direct.MAX_BATCH_OPS + 5
+    values = torch.arange(count, dtype=torch.int64)
+    driver.copy(values * 64, values * 64, torch.full((count,), 64, dtype=torch.int64), stream=3)
+    assert [len(c["first"]) for c in driver.lib.calls] == [direct.MAX_BATCH_OPS, 5]
+    assert all(set(c["first"]) == {0} for c in driver.lib.calls)
 
 
 def test_a_driver_without_the_call_is_not_available():
@@ -183,7 +194,7 @@ def test_a_pool_plans_a_load_once_for_all_its_layers(monkeypatch):
     check([0])
 
 
-# ---- issue 26: SGLANG_HICACHE_JIT_DRIVER_BATCH=0, the way out of the driver's batch call ---------------------------
+# ---- issue 26: SGLANG_HICACHE_JIT_DRIVER_BATCH, off unless 1 (the driver's call failed a soak) --------------------
 
 direct_driver_batch = direct.DriverBatch
 
@@ -199,8 +210,8 @@ def fresh_lookup(monkeypatch):
     return built
 
 
-@pytest.mark.parametrize("value", ["0", "false", "no", "off", " OFF "])
-def test_the_setting_keeps_copies_off_the_driver_call(fresh_lookup, monkeypatch, caplog, value):
+@pytest.mark.parametrize("value", ["", "0", "false", "no", "off", " OFF "])
+def test_unset_or_off_the_setting_keeps_copies_off_the_driver_call(fresh_lookup, monkeypatch, caplog, value):
     import logging
 
     monkeypatch.setenv("SGLANG_HICACHE_JIT_DRIVER_BATCH", value)
@@ -208,12 +219,12 @@ def test_the_setting_keeps_copies_off_the_driver_call(fresh_lookup, monkeypatch,
         assert direct.driver_batch() is None
         assert direct.driver_batch() is None
     assert fresh_lookup == []  # libcuda's call is never even looked up
-    assert direct._driver_failure == "SGLANG_HICACHE_JIT_DRIVER_BATCH=0"
-    assert "flat copies go through cudaMemcpy3DBatchAsync: SGLANG_HICACHE_JIT_DRIVER_BATCH=0" in caplog.text
+    assert direct._driver_failure == "SGLANG_HICACHE_JIT_DRIVER_BATCH is not 1"
+    assert "flat copies go through cudaMemcpy3DBatchAsync: SGLANG_HICACHE_JIT_DRIVER_BATCH is not 1" in caplog.text
 
 
-@pytest.mark.parametrize("value", ["", "1", "on", "yes"])
-def test_unset_or_on_the_driver_call_is_used(fresh_lookup, monkeypatch, value):
+@pytest.mark.parametrize("value", ["1", "on", "yes", " TRUE "])
+def test_on_the_driver_call_is_used(fresh_lookup, monkeypatch, value):
     monkeypatch.setenv("SGLANG_HICACHE_JIT_DRIVER_BATCH", value)
     assert direct.driver_batch() is not None and direct.driver_batch().available and fresh_lookup == [1]
 
@@ -261,4 +272,4 @@ def test_with_the_setting_off_batched_copies_never_reach_the_driver(monkeypatch)
         expected = torch.zeros_like(host)
         expected[idx] = host[idx]
         assert torch.equal(dev[1:-1].cpu(), expected) and not dev[0].any() and not dev[-1].any()
-    assert "SGLANG_HICACHE_JIT_DRIVER_BATCH=0" in direct.batch_status()[1]
+    assert "SGLANG_HICACHE_JIT_DRIVER_BATCH is not 1" in direct.batch_status()[1]

@@ -4,10 +4,11 @@
 Why it exists: a crash or hang inside the CUDA driver's ``cuMemcpyBatchAsync`` cannot be caught by any
 Python code, and such failures have been reported elsewhere on large or repeated heterogeneous scatter
 batches with the driver the lent H200 runs (issue 26). This runs such batches for as long as asked and
-reports, so a driver can be checked before it serves (and ``SGLANG_HICACHE_JIT_DRIVER_BATCH=0`` is the
-way out if it fails: docs/troubleshooting.md).
+reports, so a driver can be checked before ``SGLANG_HICACHE_JIT_DRIVER_BATCH=1`` turns that call on
+(docs/troubleshooting.md: on the lent H200 it failed this soak within 30 s, so it is off by default).
 
-    PYTHONPATH=. python3 tools/soak_direct.py --seconds 300 --threads 2 --out $OUT/soak.json
+    SGLANG_HICACHE_JIT_DRIVER_BATCH=1 PYTHONPATH=. python3 tools/soak_direct.py --seconds 300 --threads 2 --out soak.json
+    PYTHONPATH=. python3 tools/soak_direct.py --seconds 300 --threads 2 --out soak.json   # without it
     PYTHONPATH=. python3 tools/soak_direct.py --smoke --device cpu --out /tmp/soak.json   # the logic, no GPU
 
 Each thread has its own CUDA stream and its own buffers: a host source and destination (pinned), a device

@@ -518,9 +518,12 @@ class DriverBatch:
             self._call.argtypes = ([ptr, ptr, ptr, size_t, ptr, ptr, size_t] + ([ptr] if self._takes_fail_idx else [])
                                    + [ptr])
             self._call.restype = ctypes.c_int
-        # One set of attributes for every copy: read the source in stream order.
+        # One set of attributes for every copy: read the source in stream order. cuda.h documents attrsIdxs
+        # as numAttrs entries (attrs[k] applies from copy attrsIdxs[k] on), but other projects fixed crashes
+        # of this call by passing one entry per copy (sglang#23136, vllm#53860), as if the driver read
+        # `count` of them; zeros for every copy of a call are right under either reading.
         self._attributes = MemcpyAttributes(srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
-        self._first_copy = (ctypes.c_size_t * 1)(0)
+        self._first_copy = (ctypes.c_size_t * MAX_BATCH_OPS)()
         self.lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
 
     @property
@@ -531,6 +534,8 @@ class DriverBatch:
         """``sizes[i]`` bytes from ``src[i]`` to ``dst[i]`` (contiguous CPU int64 tensors), in calls of at
         most MAX_BATCH_OPS copies; the driver reads the arrays during the call."""
         fail_idx = ctypes.c_size_t(0)
+        if len(self._first_copy) < MAX_BATCH_OPS:  # one attribute index per copy of a call (see __init__)
+            self._first_copy = (ctypes.c_size_t * MAX_BATCH_OPS)()
         for first in range(0, dst.numel(), MAX_BATCH_OPS):
             count = min(MAX_BATCH_OPS, dst.numel() - first)
             args = [dst.data_ptr() + 8 * first, src.data_ptr() + 8 * first, sizes.data_ptr() + 8 * first, count,
@@ -563,14 +568,14 @@ def cuda_runtime() -> CudaRuntime:
 
 
 def driver_batch() -> DriverBatch | None:
-    """The driver's batch call, or None where SGLANG_HICACHE_JIT_DRIVER_BATCH=0 turns it off (read here,
+    """The driver's batch call, or None unless SGLANG_HICACHE_JIT_DRIVER_BATCH=1 turns it on (read here,
     once per process), the driver lacks it (before CUDA 12.8) or it failed here."""
     global _driver, _driver_failure
     if _driver is None and _driver_failure is None:
         with _runtime_lock:
             if _driver is None and _driver_failure is None:
                 if not settings.driver_batch_enabled():
-                    _driver_failure = f"{settings.DRIVER_BATCH}=0"
+                    _driver_failure = f"{settings.DRIVER_BATCH} is not 1"
                     log.info("flat copies go through cudaMemcpy3DBatchAsync: %s", _driver_failure)
                     return None
                 try:
