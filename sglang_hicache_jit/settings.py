@@ -217,8 +217,8 @@ def resident_idle_us() -> int:
 
 
 # What a page_first pool's device staging area may take (both of its buffers). Beside compute each chunk's
-# gather waits for SMs, so chunks must be long: 128 MiB kept 0.63-0.76 of the link beside a matmul, 512 MiB
-# 0.81-0.92 (transfer/staging.py).
+# gather waits for SMs, so chunks must be long: 128 MiB kept 0.56-0.70 of the link beside a matmul, 512 MiB
+# 0.80-0.81 (transfer/staging.py).
 DEFAULT_STAGING_BYTES = 512 << 20
 
 

@@ -76,13 +76,13 @@ class MHADevicePool:
     owned_layers: tuple | None = None
 
 
-# Where a load goes to the copy engines (H200, 1152-B rows, SGLang's 8-layer per-layer load loop, with the
-# plan made once per load; tools/bench.py layouts, docs/BENCHMARKS.md 2026-12-04): beside back-to-back bf16 matmuls, copies of a
-# 64-token page of one layer (72 KiB) moved 0.55 / 0.75 / 0.88 / 0.93 of the link at 1K / 4K / 16K / 64K
-# tokens per layer against the kernel's 0.16 / 0.33 / 0.43 / 0.79 (its launches wait for SMs), and alone
-# 0.29 / 0.74 / 0.99 / 0.99 against 0.30 / 0.63 / 0.80 / 0.82. Copies of 16-token pages (18 KiB) still
-# led beside the matmul (0.53 against 0.34 at 4K tokens) though not alone (0.45 against 0.66). A load is
-# overlapped with compute in a server, so the copy engines take every load whose copies are this long.
+# Where a load goes to the copy engines (H200, 1152-B rows, SGLang's 8-layer per-layer load loop, the plan
+# made once per load, the driver's batch call on; tools/bench.py layouts, docs/BENCHMARKS.md 2026-12-04):
+# beside back-to-back bf16 matmuls, copies of a 64-token page of one layer (72 KiB) moved 0.72 / 0.89-0.97
+# of the link at 16K / 64K tokens per layer against the kernel's 0.21 / 0.77-0.79 (its launches wait for
+# SMs), 256-token pages 0.98; an exploratory run found the same order at 1K and 4K tokens (0.55 / 0.75
+# against 0.16 / 0.33) and for 16-token pages (18 KiB: 0.53 against 0.34 at 4K tokens). A load overlaps
+# compute in a server, so the copy engines take every load whose copies are this long.
 DIRECT_LOAD_MIN_COPY_BYTES = 16 * 1024
 
 

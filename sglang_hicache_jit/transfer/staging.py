@@ -14,8 +14,9 @@ it) or the copy engines' per-row overhead (2-D copies: a quarter of the link). S
 The staging area is two buffers of half of ``SGLANG_HICACHE_JIT_STAGING`` (default 512 MiB) each, so a
 large backup runs in chunks: the gather of chunk k+1 fills one buffer while the copies of chunk k drain
 the other. Beside a saturating matmul each gather first waits for SMs (about one matmul), so the chunks
-must be long: with 64 MiB buffers a 16K-token backup (8 layers of 1152-B rows) kept 0.63 of the link,
-with 256 MiB buffers 0.81 (64K tokens: 0.76 and 0.92), at +2.5 to +4.9% matmul time (H200, 2026-12-04). Ordering: the side stream first waits for the caller's stream (the gather sees what was
+must be long: with 64 MiB buffers a 16K-token backup (8 layers of 1152-B rows) kept 0.56 of the link,
+with 256 MiB buffers 0.80 (64K tokens: 0.70 and 0.81), at +4 to +8% matmul time (H200, 2026-12-04,
+tools/bench.py layouts). Ordering: the side stream first waits for the caller's stream (the gather sees what was
 written to the device cache before the call), every copy waits for its gather, and a buffer is gathered
 into again only after its copies are done; the caller's stream ends up behind all of it.
 """
@@ -33,10 +34,10 @@ from ..errors import TransferIndexError
 # flat copy of run x layers x row bytes, and the copy engines' fixed cost per copy (0.3-0.8 us in a batch)
 # would otherwise dominate. HiCache moves whole pages (often 64 tokens), far above it.
 MIN_RUN = 16
-# CTAs of the gather. It moves HBM to HBM, so more CTAs finish it sooner at about the same SM time: 32
-# against the kernel's default 8 took a 16K-token backup from 0.86 to 0.92 of the link alone (H200,
-# 2026-12-04, docs/BENCHMARKS.md). Beside a saturating matmul what costs the copy engines is each gather's
-# wait for SMs, so fewer, larger chunks (the budget) matter there, not the CTA count or the stream's priority.
+# CTAs of the gather. It moves HBM to HBM, so more CTAs finish it sooner at about the same SM time: in an
+# exploratory sweep 32 against the kernel's default 8 took a 16K-token backup from 0.86 to 0.92 of the link
+# alone (H200, 2026-12-04, docs/BENCHMARKS.md). Beside a saturating matmul what costs the copy engines is
+# each gather's wait for SMs, so fewer, larger chunks (the budget) matter there, not the CTA count.
 GATHER_BLOCKS = 32
 
 
