@@ -26,7 +26,7 @@ more:
   width); ``page_size`` is accepted and ignored (every row is addressed by
   its own index, so pages need not tile anything); ``block_quota`` is
   honoured, and None means this package's measured default
-  (``ops.DEFAULT_BLOCK_QUOTA``; 2 into host memory, ``ops.D2H_BLOCK_QUOTA``);
+  (``ops.DEFAULT_BLOCK_QUOTA``; 2 where the destination is a host tensor, ``ops.D2H_BLOCK_QUOTA``);
 * the staged write-backs ignore the staging buffer: the all-layer kernel
   writes the ``page_first`` host rows directly, which moves the same bytes
   without the extra pass through GPU memory.
