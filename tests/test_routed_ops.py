@@ -99,3 +99,17 @@ def test_direct_ops_move_the_right_rows_planned_per_page_when_they_can(padded, m
     for src, dst in zip(flat, out):
         assert torch.equal(dst[d], src[d])
     assert bool(per_row) == padded  # whole pages never take the per-row plan
+
+
+def test_all_layer_backups_default_to_the_gpu_to_host_cta_budget(monkeypatch):
+    """SGLang's all-layer ops are its backups (into host memory): left out, block_quota is ops.D2H_BLOCK_QUOTA
+    (2, as upstream's kernel), and a caller's number stands."""
+    seen = []
+    monkeypatch.setattr(routed, "kernel_available", lambda size: True)
+    monkeypatch.setattr(routed.ops, "transfer_pointer_tables", lambda *a, **k: seen.append(k["block_quota"]))
+    tables = torch.zeros(3, dtype=torch.int64)
+    idx = torch.arange(4)
+    routed.transfer_kv_all_layer_mla(tables, tables, idx, idx, ROW, 3)
+    routed.transfer_kv_all_layer_mla(tables, tables, idx, idx, ROW, 3, block_quota=7)
+    routed.transfer_kv_all_layer(tables, tables, tables, tables, idx, idx, ROW, 3)
+    assert seen == [routed.ops.D2H_BLOCK_QUOTA, 7, routed.ops.D2H_BLOCK_QUOTA] and routed.ops.D2H_BLOCK_QUOTA == 2

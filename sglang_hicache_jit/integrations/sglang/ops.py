@@ -43,6 +43,7 @@ import torch
 from .. import compat
 from ... import settings
 from ...transfer import bounds, direct, ops
+from ...transfer.abi import D2H_BLOCK_QUOTA
 from ...errors import BadSettingError
 from ...transfer.probe import probe
 
