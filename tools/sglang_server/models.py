@@ -8,7 +8,9 @@ dummy weights a scale at which the output depends on the prompt (``weights.py``)
 * ``mla-kv``: the same rows in 61 layers, as DeepSeek-V3 has, with the small hidden size: a host hit
   moves as many bytes per token as a real DeepSeek-V3 (70,272 B), for timing;
 * ``mha-tiny``: Llama (``LlamaForCausalLM``), 4 layers, 2 KV heads of 128 (512-B K and V rows): the MHA
-  host pool.
+  host pool;
+* ``mla-dsa``: DeepSeek-V3.2 (``DeepseekV32ForCausalLM``, with the indexer), 4 layers: the only models
+  whose host pools SGLang layer-shards (two ranks, issue 28).
 
 transformers 5 does not write ``moe_layer_freq``, and SGLang 0.5.17 reads it when it builds a DeepSeek
 layer, so the config carries it, with ``scoring_func`` and ``topk_method``. Every layer is dense
@@ -45,7 +47,10 @@ _LLAMA = {
     "head_dim": 128, "rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
     "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
 }
-SHAPES = {"mla-tiny": (_DEEPSEEK, 4), "mla-kv": (_DEEPSEEK, 61), "mha-tiny": (_LLAMA, 4)}
+# DeepSeek-V3.2 (DSA): MLA plus the indexer; SGLang builds layer-sharded host pools only for such models.
+_DSA = dict(_DEEPSEEK, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_topk=2048,
+            index_n_heads=64, index_head_dim=128)
+SHAPES = {"mla-tiny": (_DEEPSEEK, 4), "mla-kv": (_DEEPSEEK, 61), "mha-tiny": (_LLAMA, 4), "mla-dsa": (_DSA, 4)}
 
 
 def config(kind: str) -> dict:
@@ -53,7 +58,7 @@ def config(kind: str) -> dict:
     cfg = dict(base, num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=CONTEXT,
                bos_token_id=BOS, eos_token_id=EOS, pad_token_id=3, tie_word_embeddings=False,
                torch_dtype="bfloat16", use_cache=True)
-    if base is _DEEPSEEK:
+    if base is not _LLAMA:
         cfg["first_k_dense_replace"] = layers  # every layer dense: no MoE kernels
     return cfg
 
@@ -61,7 +66,7 @@ def config(kind: str) -> dict:
 def kv_row_bytes(kind: str) -> dict:
     """Bytes of KV cache per token and layer (MLA: one row; MHA: K and V), and per token in all layers."""
     cfg = config(kind)
-    if cfg["model_type"] == "deepseek_v3":
+    if cfg["model_type"].startswith("deepseek"):
         row = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
     else:
         row = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2

@@ -39,6 +39,7 @@ import weakref
 
 import torch
 
+from . import announce
 from .. import compat
 from ... import settings
 from ...transfer import direct, ops
@@ -71,6 +72,7 @@ def kernel_available(element_size: int) -> bool:
     Asked once per row size and process (``reset()`` forgets)."""
     ok = _kernel_ok.get(element_size)
     if ok is None:
+        announce.flush()  # the plugin's start line, now that the process logs (a pool is being built)
         with _choice_lock:
             result = probe(element_size)
             ok = _kernel_ok[element_size] = result.available
