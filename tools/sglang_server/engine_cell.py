@@ -62,6 +62,21 @@ def engine_kwargs(spec: dict, fields: set | None = None) -> tuple:
     return {k: v for k, v in wanted.items() if k in fields}, sorted(k for k in wanted if k not in fields)
 
 
+def server_fields(server_args_cls) -> set | None:
+    """The names ServerArgs takes: its dataclass fields (up to 0.5.22), else its constructor's parameters
+    (0.5.23 assembles the class); None where it takes any keyword."""
+    import dataclasses
+    import inspect
+
+    try:
+        return {f.name for f in dataclasses.fields(server_args_cls)}
+    except TypeError:
+        params = inspect.signature(server_args_cls).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return None
+        return {p.name for p in params}
+
+
 def _outputs(result) -> dict:
     meta = result["meta_info"]
     logprobs = meta.get("output_token_logprobs") or []
@@ -175,12 +190,10 @@ def main() -> int:
     out_file = args.out / f"{spec['cell']}.json"
     engine = None
     try:
-        import dataclasses
-
         import sglang
         from sglang.srt.server_args import ServerArgs
 
-        kwargs, dropped = engine_kwargs(spec, {f.name for f in dataclasses.fields(ServerArgs)})
+        kwargs, dropped = engine_kwargs(spec, server_fields(ServerArgs))
         record.update(sglang=sglang.__version__, dropped_args=dropped)
         start = time.perf_counter()
         engine = sglang.Engine(**kwargs)

@@ -64,18 +64,18 @@ def jobs_for(cells, made: dict, cells_dir: Path, deadline_epoch: float, base_por
 
 def dry_run(cells, made: dict, out: Path) -> list:
     """Each cell's ServerArgs, built here without an engine: (cell, effective pair or the error)."""
-    import dataclasses
-
     from sglang.srt.server_args import ServerArgs
-    from sglang_server.engine_cell import engine_kwargs
+    from sglang_server.engine_cell import engine_kwargs, server_fields
 
-    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    fields = server_fields(ServerArgs)
     rows = []
     for i, cell in enumerate(cells):
         spec = plan.spec(cell, model_dir=made[cell.model], vocab=models.VOCAB, port=30000 + 20 * i)
         kwargs, dropped = engine_kwargs(spec, fields)
         try:
             args = ServerArgs(**kwargs)
+            if hasattr(args, "resolve_once"):  # 0.5.23: the rewrites run at resolution
+                args.resolve_once()
             rows.append({"cell": cell.name, "ok": True, "dropped": dropped,
                          "effective": [args.hicache_io_backend, args.hicache_mem_layout]})
         except Exception as exc:  # noqa: BLE001 - a refusal is the answer
@@ -146,7 +146,8 @@ def main(argv=None) -> int:
     with tarfile.open(args.out / "cells.tar.gz", "w:gz") as tar:
         tar.add(cells_dir, arcname="cells")
     print(text)
-    subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv"], check=False)
+    if shutil.which("nvidia-smi"):
+        subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv"], check=False)
     return 0 if result["passed"] or args.mode == "ttft" else 1
 
 
