@@ -390,7 +390,10 @@ def test_image_list_lacks_every_small_wheel_carried():
 @pytest.mark.parametrize("name, kept", [
     ("sglang/srt/models/deepseek_v2.py", True), ("sglang/multimodal_gen/x.py", False),
     ("sglang/benchmark/a.py", False), ("sglang/srt/server/_core.cpython-312-x86_64-linux-gnu.so", False),
-    ("sglang/test/test_utils.py", True), ("sglang-0.5.17.dist-info/METADATA", True)])
+    ("sglang/test/test_utils.py", True), ("sglang-0.5.17.dist-info/METADATA", True),
+    ("sglang/srt/rust_extensions/_server.cpython-312-x86_64-linux-gnu.so", False),
+    ("sglang/srt/rust_extensions/loader.py", True),
+    ("sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-312-x86_64-linux-gnu.so", True)])
 def test_carry_trims_what_a_server_never_imports(name, kept):
     assert (not carry._TRIM_SGLANG.search(name)) is kept
 

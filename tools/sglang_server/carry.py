@@ -3,8 +3,9 @@
 Written into one folder (``python3 tools/sglang_carry.py --server 0.5.17 -o /tmp/srvcarry-0.5.17``):
 
 * ``sglang-<X>.tar.gz``: the release's wheel (checked against the recorded sha256) without what a server
-  never imports: ``multimodal_gen/``, ``benchmark/`` and the Rust extensions (``_core*.so``: the Rust
-  HTTP/gRPC servers and the multimodal preprocessor);
+  never imports: ``multimodal_gen/``, ``benchmark/`` and the Rust extensions of the Rust HTTP/gRPC
+  servers and the multimodal preprocessor (``_core*.so`` up to 0.5.17, ``rust_extensions/_server``,
+  ``_grpc`` and ``_multimodal`` from 0.5.19; the Rust radix tree core stays);
 * ``sgl_kernel-<K>.tar.gz``: sglang-kernel's Python files, its sm90 library (``sm90/common_ops``),
   ``spatial_ops``, ``triton_kernels`` and its dist-info, without FA3, FlashMLA, InfLLM and the sm100
   library (about 1.1 GB the server path never loads with ``--attention-backend triton``);
@@ -54,7 +55,8 @@ PINNED = ("flashinfer-python", "transformers", "tokenizers", "xgrammar", "apache
 # Never carried: the image's torch stack, and this package (it travels as the repository).
 IMAGE_STACK = {"torch", "triton", "torchvision", "torchaudio", "sglang-kernel", "sglang", "sglang-hicache-jit"}
 
-_TRIM_SGLANG = re.compile(r"^sglang/(multimodal_gen|benchmark)/|/_core\.cpython-[^/]*\.so$")
+_TRIM_SGLANG = re.compile(r"^sglang/(multimodal_gen|benchmark)/|/_core\.cpython-[^/]*\.so$"
+                          r"|^sglang/srt/rust_extensions/_(server|grpc|multimodal)\.cpython-[^/]*\.so$")
 _KEEP_KERNEL = re.compile(r"^(sgl_kernel/(?!sm100/)[^/]*\.py|sgl_kernel/(?!sm100/).*/[^/]*\.py|sgl_kernel/sm90/"
                           r"common_ops\.[^/]*so|sgl_kernel/spatial_ops\.[^/]*so|triton_kernels/.*|"
                           r"sglang_kernel-[^/]*\.dist-info/.*)$")
@@ -205,6 +207,10 @@ def build(release: str, out: Path, cache: Path, *, image: set, recorded_wheels: 
     kernel = download(f"sglang-kernel=={KERNEL}", cache)
     (out / f"sgl_kernel-{KERNEL}.tar.gz").write_bytes(trim_zip(kernel, lambda n: bool(_KEEP_KERNEL.match(n))))
     wheels = wheel_plan(pins, image, flashinfer)
+    if flashinfer and flashinfer != pins.get("flashinfer-python"):  # another cross-pin: say so
+        facts["official"] = False
+        facts["label"] = (("unofficial: " + facts["label"].split(": ", 1)[1]) if not facts["label"].startswith(
+            "unofficial") else facts["label"]) + f"; flashinfer {flashinfer} (pins {pins.get('flashinfer-python')})"
     for name, version in wheels.items():
         path = download(f"{name}=={version}" if version else name, cache)
         (out / path.name).write_bytes(trim_wheel(path, _TRIM_WHEEL.get(name)))
