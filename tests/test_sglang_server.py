@@ -504,10 +504,17 @@ class Engine:
             print("[t] INFO p: sglang-hicache-jit: MLATokenToKVPoolHost (layout=page_first, 1152 B rows) transfers",
                   file=sys.stderr)
         self.seen = set()
+        import asyncio
+        self.loop = asyncio.new_event_loop()
+
+    async def async_generate(self, input_ids, sampling_params, return_logprob=False):
+        if input_ids and isinstance(input_ids[0], list):
+            return [self.generate(ids, sampling_params) for ids in input_ids]
+        return self.generate(input_ids, sampling_params)
 
     def generate(self, input_ids, sampling_params, return_logprob=False):
         head = tuple(input_ids[:1024])
-        host = 1024 if len(input_ids) > 1024 and head in self.seen else 0
+        host = len(input_ids) // 1024 * 1024 if len(input_ids) > 1024 and head in self.seen else 0
         self.seen.add(head)
         salt = 1 if host and os.environ.get("HICACHE_SERVER_CORRUPT") == "zero" else 0
         ids = [(sum(input_ids) + i + salt) % 97 for i in range(sampling_params["max_new_tokens"])]
@@ -543,10 +550,12 @@ def test_main_runs_smoke_end_to_end_with_a_stand_in_engine(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "sglang_server" / "main.py"), "smoke", "--release",
                            "0.0.0", "--out", str(out), "--work", str(tmp_path / "work"), "--gpus", "1",
-                           "--budget-s", "120"], capture_output=True, text=True, env=env, timeout=300)
+                           "--budget-s", "400"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "summary.json").read_text())
-    assert result["passed"] and [o["status"] for o in result["outcomes"]] == ["done"] * 3
+    assert result["passed"] and [o["status"] for o in result["outcomes"]] == ["done"] * 4
+    assert [(r["length"], r["host_rounds_plugin"]) for r in result["ttft"]] == [(2048, 2), (2048, 2), (8192, 2),
+                                                                               (8192, 2)]
     checks = result["configurations"][0]["checks"]
     assert checks["control_differs"] == {"0.0.0-mla-tiny-kernel-page_first-control": 8}  # every reload differed
     assert set(checks["host_hits"].values()) == {8 * 1024}

@@ -6,7 +6,8 @@ of the six io_backend x layout pairs (``kernel`` + ``page_first_direct`` runs as
 every mode, and the two rewritten requests once each (their effective arguments are recorded, and their
 outputs must equal the pair they become).
 
-* ``smoke``: one configuration (MLA, kernel, page_first) as plugin, upstream and the negative control;
+* ``smoke``: one configuration (MLA, kernel, page_first) as plugin, upstream and the negative control,
+  beside a short TTFT run of the KV-realistic model;
 * ``matrix``: MLA then MHA, each pair in upstream / plugin / plugin-nojit, a negative control per model,
   then the rewritten requests and a control with the plugin on;
 * ``ttft``: the KV-realistic MLA model, one engine at a time: upstream, plugin, plugin-nojit;
@@ -42,7 +43,11 @@ class Cell:
 
 
 def smoke(release: str) -> list:
-    return [Cell(release, "mla-tiny", "kernel", "page_first", m) for m in ("plugin", "upstream", "control")]
+    """Three engines of one configuration, and a short TTFT run that starts the 61-layer model once
+    (its numbers are taken beside the others, so they only show that the ttft mode works)."""
+    return [Cell(release, "mla-tiny", "kernel", "page_first", m) for m in ("plugin", "upstream", "control")] + [
+        Cell(release, "mla-kv", "kernel", "page_first", "plugin", workload="ttft",
+             extra={"lengths": [2048, 8192], "rounds": 2})]
 
 
 def matrix(release: str, models=("mla-tiny", "mha-tiny")) -> list:
