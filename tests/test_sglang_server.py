@@ -487,7 +487,7 @@ def test_server_imports_reports_every_missing_module_at_once():
 
 _FAKE_SGLANG = {
     "sglang/__init__.py": """
-import os, sys
+import asyncio, os, sys
 from types import SimpleNamespace
 __version__ = "0.0.0+standin"
 REWRITE = {("kernel", "page_first_direct"): ("direct", "page_first_direct"),
@@ -504,10 +504,10 @@ class Engine:
             print("[t] INFO p: sglang-hicache-jit: MLATokenToKVPoolHost (layout=page_first, 1152 B rows) transfers",
                   file=sys.stderr)
         self.seen = set()
-        import asyncio
         self.loop = asyncio.new_event_loop()
 
     async def async_generate(self, input_ids, sampling_params, return_logprob=False):
+        await asyncio.sleep(0.001)  # a real engine waits for its scheduler
         if input_ids and isinstance(input_ids[0], list):
             return [self.generate(ids, sampling_params) for ids in input_ids]
         return self.generate(input_ids, sampling_params)
