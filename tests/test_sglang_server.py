@@ -41,6 +41,7 @@ def _tokenizers_or_skip():
     pytest.importorskip("transformers", reason='needs transformers: pip install -e ".[test,sglang]"')
 
 
+@pytest.mark.slow  # imports transformers' models: seconds on 2 cores
 def test_model_folder_loads_with_transformers(tmp_path):
     _tokenizers_or_skip()
     from transformers import AutoConfig, AutoTokenizer
@@ -71,7 +72,7 @@ def _sglang_default_init(model):
             tensor.uniform_(-1e-3, 1e-3, generator=generator)
 
 
-@pytest.mark.parametrize("kind", ["mha-tiny", "mla-tiny"])
+@pytest.mark.parametrize("kind", [pytest.param("mha-tiny", marks=pytest.mark.slow), "mla-tiny"])
 def test_a_changed_prompt_token_changes_the_greedy_output(tmp_path, kind):
     """With weights.fill the output depends on the prompt (so equal outputs can mean equal KV bytes);
     with SGLang's default dummy weights it does not (the same test fails there: the negative control)."""
@@ -379,6 +380,7 @@ def test_carry_wheel_plan_leaves_out_the_image_and_keeps_the_pins():
     assert wheels["tokenizers"] == "0.22.2"  # pinned by us, though the image has one
     assert "fastapi" not in wheels and "torch" not in wheels and "sglang-kernel" not in wheels
     assert carry.wheel_plan({}, set(), flashinfer="0.6.18")["flashinfer-python"] == "0.6.18"
+    assert "tokenizers" not in carry.wheel_plan({"tokenizers": "0.23.2"}, image)  # the image's own version
 
 
 def test_image_list_lacks_every_small_wheel_carried():
@@ -552,15 +554,15 @@ def test_main_runs_smoke_end_to_end_with_a_stand_in_engine(tmp_path):
                            "0.0.0", "--out", str(out), "--work", str(tmp_path / "work"), "--gpus", "1",
                            "--budget-s", "400"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / "summary.json").read_text())
+    result = json.loads((out / "smoke-summary.json").read_text())
     assert result["passed"] and [o["status"] for o in result["outcomes"]] == ["done"] * 4
     assert [(r["length"], r["host_rounds_plugin"]) for r in result["ttft"]] == [(2048, 2), (2048, 2), (8192, 2),
                                                                                (8192, 2)]
     checks = result["configurations"][0]["checks"]
     assert checks["control_differs"] == {"0.0.0-mla-tiny-kernel-page_first-control": 8}  # every reload differed
     assert set(checks["host_hits"].values()) == {8 * 1024}
-    assert sorted(p.name for p in out.iterdir()) == ["cells.tar.gz", "log-excerpt.txt", "summary.json", "summary.md"]
-    with tarfile.open(out / "cells.tar.gz") as tar:
+    assert sorted(p.name for p in out.iterdir()) == ["smoke-cells.tar.gz", "smoke-summary.json", "smoke-summary.md"]
+    with tarfile.open(out / "smoke-cells.tar.gz") as tar:
         names = tar.getnames()
-    assert "cells/0.0.0-mla-tiny-kernel-page_first-plugin.json" in names
-    assert "sglang-hicache-jit: sglang" in (out / "log-excerpt.txt").read_text()
+    assert "smoke-cells/0.0.0-mla-tiny-kernel-page_first-plugin.json" in names
+    assert "sglang-hicache-jit: sglang" in (out / "smoke-summary.md").read_text()

@@ -52,6 +52,10 @@ SERVER_WHEELS = {
     "tokenizers": "0.22.2",
 }
 PINNED = ("flashinfer-python", "transformers", "tokenizers", "xgrammar", "apache-tvm-ffi", "openai")
+# Versions the image has of packages a release may pin (read there with pip list, 2026-11): a pin equal
+# to one of these is not carried.
+IMAGE_VERSIONS = {"tokenizers": "0.23.2", "transformers": "5.17.0", "safetensors": "0.8.0",
+                  "huggingface-hub": "1.33.0"}
 # Never carried: the image's torch stack, and this package (it travels as the repository).
 IMAGE_STACK = {"torch", "triton", "torchvision", "torchaudio", "sglang-kernel", "sglang", "sglang-hicache-jit"}
 
@@ -102,7 +106,10 @@ def wheel_plan(pins: dict, image: set, flashinfer: str | None = None) -> dict:
             plan[name] = pins[name]
     if flashinfer:
         plan["flashinfer-python"] = flashinfer
-    return {n: v for n, v in sorted(plan.items()) if n not in IMAGE_STACK and (n not in image or n in PINNED)}
+    if plan.get("transformers") == IMAGE_VERSIONS["transformers"]:
+        plan.pop("tokenizers", None)  # the image's own pair
+    return {n: v for n, v in sorted(plan.items()) if n not in IMAGE_STACK and (n not in image or n in PINNED)
+            and not (v is not None and IMAGE_VERSIONS.get(n) == v)}
 
 
 def trim_zip(source: Path, keep) -> bytes:

@@ -3,10 +3,11 @@ judge, and leave at most a handful of files under ``--out``.
 
     python3 tools/sglang_server/main.py smoke|matrix|ttft|cp2 --release 0.5.17 --out $OUT [--budget-s 480]
 
-(``tools/gpu_server.sh`` installs the carry and calls this.) Under ``--out``: ``summary.md`` and
-``summary.json`` (the verdicts, ``summary.py``), ``cells.tar.gz`` (every engine's JSON, log and trace),
-and ``log-excerpt.txt`` (the plugin's lines from one engine's log, as a user sees them). A cell that
-did not finish in time is listed as such; what finished is judged.
+(``tools/gpu_server.sh`` installs the carry and calls this.) Under ``--out``: ``<mode>-summary.md`` (the
+verdicts, and the plugin's lines from one engine's log as a user sees them), ``<mode>-summary.json``
+(``summary.py``) and ``<mode>-cells.tar.gz`` (every engine's JSON, log and trace): three files a mode, so
+two modes and the import check fit the eight files a device call returns. A cell that did not finish in
+time is listed as such; what finished is judged.
 
 ``--dry-run`` starts no engine: it writes the models and the specs, and builds each cell's server
 arguments in this process (so a configuration SGLang refuses shows without a GPU to spare).
@@ -62,7 +63,7 @@ def jobs_for(cells, made: dict, cells_dir: Path, deadline_epoch: float, base_por
     return jobs
 
 
-def dry_run(cells, made: dict, out: Path) -> list:
+def dry_run(cells, made: dict, out: Path, mode: str = "dry") -> list:
     """Each cell's ServerArgs, built here without an engine: (cell, effective pair or the error)."""
     from sglang.srt.server_args import ServerArgs
     from sglang_server.engine_cell import engine_kwargs, server_fields
@@ -80,7 +81,7 @@ def dry_run(cells, made: dict, out: Path) -> list:
                          "effective": [args.hicache_io_backend, args.hicache_mem_layout]})
         except Exception as exc:  # noqa: BLE001 - a refusal is the answer
             rows.append({"cell": cell.name, "ok": False, "dropped": dropped, "error": f"{type(exc).__name__}: {exc}"})
-    (out / "dry-run.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / f"{mode}-dry-run.json").write_text(json.dumps(rows, indent=1) + "\n")
     return rows
 
 
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     prepared = prepare(args.work, {c.model for c in cells})
     os.environ.update(prepared["env"])
     if args.dry_run:
-        rows = dry_run(cells, prepared["models"], args.out)
+        rows = dry_run(cells, prepared["models"], args.out, args.mode)
         print(json.dumps(rows, indent=1))
         return 0 if all(r["ok"] for r in rows) else 1
     if args.gpus is None:
@@ -140,11 +141,11 @@ def main(argv=None) -> int:
     label = f"(sglang {args.release}{', ' + args.label if args.label else ''}, {args.mode})"
     text = summary.markdown(result, ttft, label)
     text += "\n" + "\n".join(f"* {o.name}: {o.status} ({o.seconds} s)" for o in outcomes) + "\n"
-    (args.out / "summary.md").write_text(text)
-    (args.out / "summary.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    (args.out / "log-excerpt.txt").write_text(excerpt(cells_dir))
-    with tarfile.open(args.out / "cells.tar.gz", "w:gz") as tar:
-        tar.add(cells_dir, arcname="cells")
+    text += "\n## What a plugin run's log says\n\n```\n" + excerpt(cells_dir) + "```\n"
+    (args.out / f"{args.mode}-summary.md").write_text(text)
+    (args.out / f"{args.mode}-summary.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    with tarfile.open(args.out / f"{args.mode}-cells.tar.gz", "w:gz") as tar:
+        tar.add(cells_dir, arcname=f"{args.mode}-cells")
     print(text)
     if shutil.which("nvidia-smi"):
         subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv"], check=False)
