@@ -20,6 +20,9 @@ only on CUDA is found too) and list every module they loaded. Then it writes, un
 
     python3 tools/sglang_carry.py 0.5.19 0.5.21 0.5.22 0.5.23 -o .devwhl
 
+With ``--server RELEASE`` it writes instead the carry of a real SGLang server for
+one release (tools/sglang_server/carry.py; tools/gpu_server.sh runs it).
+
 ``STEPS=sglang tools/gpu_bench.sh`` runs the GPU cells from such a carry. Needs network
 here (pip download) and this package installed with its ``sglang`` extra.
 """
@@ -135,6 +138,11 @@ def normalize(name: str) -> str:
 
 
 def main() -> int:
+    if "--server" in sys.argv[1:]:  # a real server's carry: one release, trimmed, with what it needs
+        sys.path.insert(0, str(ROOT / "tools"))
+        from sglang_server.carry import main as server_main
+
+        return server_main([a for a in sys.argv[1:] if a != "--server"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("releases", nargs="+")
     parser.add_argument("-o", "--out", type=Path, default=ROOT / ".devwhl")

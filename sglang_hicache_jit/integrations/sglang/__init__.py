@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 
 from ... import settings
+from . import announce
 from .support import describe, release_row
 
 __all__ = ["register", "describe", "release_row", "status"]
@@ -163,10 +164,12 @@ def _log_summary(decisions, row) -> None:
                else "not among the releases this package was checked against; patching what fits")
     ops = sum(1 for d in decisions if d.patched and d.target.kind == "REPLACE")
     methods = sum(1 for d in decisions if d.patched and d.target.kind != "REPLACE")
-    log.info("sglang-hicache-jit: sglang %s (%s): routing %d HiCache ops and %d pool methods through this package; "
-             "%d not in this release; skipped %d%s. Kernel or copy engines is decided per row size when a pool "
-             "is built.", status["sglang"], checked, ops, methods, len(status["absent"]), len(status["skipped"]),
-             "".join(f"\n  skipped {name}: {why}" for name, why in status["skipped"]))
+    # Logged once logging is configured: SGLang loads plugins before it configures logging (announce.py).
+    announce.start_line(
+        log, "sglang-hicache-jit: sglang %s (%s): routing %d HiCache ops and %d pool methods through this package; "
+        "%d not in this release; skipped %d%s. Kernel or copy engines is decided per row size when a pool "
+        "is built.", status["sglang"], checked, ops, methods, len(status["absent"]), len(status["skipped"]),
+        "".join(f"\n  skipped {name}: {why}" for name, why in status["skipped"]))
     for name, why in status["absent"]:
         log.debug("sglang-hicache-jit: %s %s", name, why)
 

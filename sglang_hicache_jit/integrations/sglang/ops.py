@@ -40,6 +40,7 @@ import weakref
 
 import torch
 
+from . import announce
 from .. import compat
 from ... import settings
 from ...transfer import bounds, direct, ops
@@ -78,6 +79,7 @@ def _kernel_works(element_size: int) -> bool:
     """What the probe says for rows of ``element_size`` bytes, whatever the pool asked for."""
     ok = _kernel_ok.get(element_size)
     if ok is None:
+        announce.flush()  # the plugin's start line, now that the process logs (a pool is being built)
         with _choice_lock:
             result = probe(element_size)
             ok = _kernel_ok[element_size] = result.available

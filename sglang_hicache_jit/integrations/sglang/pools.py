@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 
+from . import announce
 from . import ops as routed
 from ...transfer import direct, ops
 from .matching import needs
@@ -214,15 +215,32 @@ def require_packed_device_rows(original, self, kernel):
 
 
 def describe_pool(result, self, *args, **kwargs):
-    """AFTER hook on a pool's transfer setup: one INFO line with its path. Reads only what it finds."""
+    """AFTER hook on a pool's transfer setup: the plugin's start line (once per process, see announce.py)
+    and one INFO line with the path each io_backend takes for this pool. Reads only what it finds."""
+    announce.flush()
     try:
         row_bytes = _row_bytes_of(self)
-        path = routed.path_for(row_bytes) if row_bytes else "unknown"
-        log.info("sglang-hicache-jit: %s (layout=%s, %s B rows) transfers through the %s path", type(self).__name__,
-                 getattr(self, "layout", "?"), row_bytes, "JIT kernel" if path == "kernel" else "copy-engine")
+        layout = getattr(self, "layout", "?")
+        log.info("sglang-hicache-jit: %s (layout=%s, %s B rows) transfers through %s", type(self).__name__, layout,
+                 row_bytes, paths_by_backend(layout, routed.path_for(row_bytes) if row_bytes else "unknown"))
     except Exception as exc:  # a log line must never break a pool
         log.debug("sglang-hicache-jit: could not describe %s: %s", type(self).__name__, exc)
     return result
+
+
+def paths_by_backend(layout: str, row_path: str) -> str:
+    """What runs for each io_backend: 'direct' always uses the copy engines (the routed direct ops and the
+    per-layer hooks do), 'kernel' the JIT kernel where its rows have it, except on page_first_direct,
+    whose kernel requests the pool serves through its direct branch."""
+    if row_path == "kernel" and layout != "page_first_direct":
+        return "the JIT kernel with io_backend=kernel, the copy engines with io_backend=direct"
+    if row_path == "kernel":
+        why = "page_first_direct moves whole pages"
+    elif row_path == "direct":
+        why = "the JIT kernel is not used for these rows"
+    else:
+        why = "row size unknown"
+    return f"the copy engines with either io_backend ({why})"
 
 
 def _row_bytes_of(pool) -> int | None:

@@ -1,0 +1,568 @@
+"""The real-server harness (tools/sglang_server/, issue 29), checked where no GPU is: the model maker, the
+dummy weights, the workload, the plan, the time-boxed runner, the judge, the carry's rules and the
+harness plugin. The engines themselves run on the GPU machine (tools/gpu_server.sh)."""
+
+import importlib.metadata as metadata
+import io
+import json
+import re
+import sys
+import time
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+from sglang_server import carry, engine_cell, harness_plugin, models, plan, runner, summary, workload  # noqa: E402
+
+
+# ---------------------------------------------------------------------------
+# Models.
+
+def test_model_configs_have_the_rows_and_fields_sglang_reads():
+    assert models.kv_row_bytes("mla-tiny") == {"row": 1152, "token": 1152 * 4, "layers": 4}
+    assert models.kv_row_bytes("mla-kv") == {"row": 1152, "token": 1152 * 61, "layers": 61}  # DeepSeek-V3's
+    assert models.kv_row_bytes("mha-tiny")["row"] == 2 * 2 * 128 * 2
+    for kind in ("mla-tiny", "mla-kv", "mla-dsa"):
+        cfg = models.config(kind)
+        assert {"moe_layer_freq", "scoring_func", "topk_method"} <= set(cfg)  # transformers 5 leaves them out
+        assert cfg["first_k_dense_replace"] == cfg["num_hidden_layers"]  # dense: no MoE kernels
+    assert models.config("mla-dsa")["index_topk"] and models.config("mla-dsa")["architectures"] == [
+        "DeepseekV32ForCausalLM"]
+    assert models.config("mha-tiny")["architectures"] == ["LlamaForCausalLM"]
+
+
+def _tokenizers_or_skip():
+    pytest.importorskip("tokenizers", reason='needs tokenizers and transformers: pip install -e ".[test,sglang]"')
+    pytest.importorskip("transformers", reason='needs transformers: pip install -e ".[test,sglang]"')
+
+
+@pytest.mark.slow  # imports transformers' models: seconds on 2 cores
+def test_model_folder_loads_with_transformers(tmp_path):
+    _tokenizers_or_skip()
+    from transformers import AutoConfig, AutoTokenizer
+
+    made = models.make_all(tmp_path, ("mla-tiny", "mha-tiny"))
+    tok = AutoTokenizer.from_pretrained(made["mla-tiny"])
+    assert len(tok) == models.VOCAB and tok.eos_token_id == models.EOS
+    assert tok.decode(tok.encode("bada kelo")).strip() == "bada kelo"
+    assert AutoConfig.from_pretrained(made["mha-tiny"]).num_key_value_heads == 2
+    assert json.loads((Path(made["mla-tiny"]) / "config.json").read_text())["kv_lora_rank"] == 512
+
+
+def _greedy(model, ids, n=6):
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=3)
+    return out[0, len(ids):].tolist()
+
+
+def _sglang_default_init(model):
+    """SGLang's own dummy init: uniform +-1e-3, the same values for every parameter of one size."""
+    import torch
+
+    for tensor in model.state_dict().values():
+        if torch.is_floating_point(tensor):
+            generator = torch.Generator().manual_seed(1234)
+            tensor.uniform_(-1e-3, 1e-3, generator=generator)
+
+
+@pytest.mark.parametrize("kind", [pytest.param("mha-tiny", marks=pytest.mark.slow), "mla-tiny"])
+def test_a_changed_prompt_token_changes_the_greedy_output(tmp_path, kind):
+    """With weights.fill the output depends on the prompt (so equal outputs can mean equal KV bytes);
+    with SGLang's default dummy weights it does not (the same test fails there: the negative control)."""
+    _tokenizers_or_skip()
+    import torch
+    from sglang_server import weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(models.make(kind, tmp_path / kind))
+    cfg.num_hidden_layers = 2  # the property does not need depth; CPU time does
+    if hasattr(cfg, "first_k_dense_replace"):
+        cfg.first_k_dense_replace = 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    ids = workload.correctness(models.VOCAB)[-2]["input_ids"][:96]
+    changed = list(ids)
+    changed[3] = ids[3] + 1
+    weights.fill(model)
+    assert _greedy(model, ids) != _greedy(model, changed)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    assert float(logits.std()) > 0.3  # not flat
+    _sglang_default_init(model)
+    with torch.no_grad():
+        flat = model(torch.tensor([ids])).logits[0, -1]
+    assert float(flat.std()) < 1e-3  # SGLang's default: every logprob about -ln(vocab), whatever the prompt
+
+
+def test_weights_fill_is_deterministic_and_shaped():
+    torch = pytest.importorskip("torch")
+    from sglang_server import weights
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(16, 8)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+            self.norm = torch.nn.LayerNorm(8)
+
+    a, b = Tiny(), Tiny()
+    assert weights.fill(a) == weights.fill(b) == 7
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name  # every process makes the same weights
+    assert torch.all(a.norm.weight == 1) and torch.all(a.norm.bias == 0) and torch.all(a.layers[0].bias == 0)
+    assert not torch.equal(a.layers[0].weight, a.layers[1].weight)  # seeded by name: layers differ
+    assert float(a.layers[0].weight.detach().abs().max()) <= (3 / 8) ** 0.5
+    assert float(a.embed_tokens.weight.detach().abs().max()) > 0.5
+
+
+# ---------------------------------------------------------------------------
+# Workload and plan.
+
+def test_correctness_workload_forces_eviction_and_reload():
+    requests = workload.correctness(models.VOCAB)
+    assert requests == workload.correctness(models.VOCAB)  # deterministic
+    assert workload.expected_evictions() > 0
+    fill = {r["prefix"]: r["input_ids"] for r in requests if r["phase"] == "fill"}
+    reload = {r["prefix"]: r["input_ids"] for r in requests if r["phase"] == "reload"}
+    assert sorted(fill) == sorted(reload) == list(range(workload.PREFIXES))
+    for i in fill:
+        assert fill[i][:workload.PREFIX] == reload[i][:workload.PREFIX] and fill[i] != reload[i]
+    a, b = [r["input_ids"] for r in requests if r["phase"] == "sensitivity"]
+    assert len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1
+    assert all(workload.FIRST_ID <= t < models.VOCAB for r in requests for t in r["input_ids"])
+
+
+def test_ttft_rounds_evict_the_prefix_before_the_host_hit():
+    rounds = workload.ttft_rounds(models.VOCAB, (2048, 8192), rounds=2, device_tokens=49152)
+    assert [(r["length"], r["round"]) for r in rounds] == [(2048, 0), (2048, 1), (8192, 0), (8192, 1)]
+    for r in rounds:
+        assert sum(len(f) for f in r["fillers"]) > 49152  # more than the device pool: the prefix is evicted
+        assert r["host"][:r["length"]] == r["device"][:r["length"]] == r["warm"][:r["length"]]
+        assert len({tuple(r["host"]), tuple(r["device"]), tuple(r["warm"])}) == 3
+
+
+def test_matrix_plan_covers_models_pairs_and_modes_mla_first():
+    cells = plan.matrix("0.5.17")
+    names = [c.name for c in cells]
+    assert len(names) == len(set(names))
+    for model in ("mla-tiny", "mha-tiny"):
+        for io, layout in plan.PAIRS:
+            assert {c.mode for c in cells if (c.model, c.io_backend, c.layout) == (model, io, layout)} >= set(
+                plan.EQUAL_MODES)
+        assert any(c.model == model and c.mode == "control" for c in cells)
+    assert cells[0].model == "mla-tiny" and cells[-1].mode == "control-plugin"
+    assert {(c.io_backend, c.layout) for c in cells if plan.effective(c.io_backend, c.layout) != (
+        c.io_backend, c.layout)} == set(plan.REWRITTEN)
+    assert all(c.workload == "ttft" and c.model == "mla-kv" for c in plan.ttft("0.5.17"))
+    assert all(c.extra["gpus"] == 2 and c.extra["extra_args"]["attn_cp_size"] == 2 for c in plan.cp2("0.5.23"))
+
+
+def test_engine_kwargs_drop_what_the_release_lacks():
+    spec = plan.spec(plan.smoke("0.5.17")[0], model_dir="/m", vocab=2048, port=31000)
+    kwargs, dropped = engine_cell.engine_kwargs(spec, None)
+    assert kwargs["hicache_io_backend"] == "kernel" and kwargs["attention_backend"] == "triton"
+    assert kwargs["max_total_tokens"] == workload.DEVICE_TOKENS and kwargs["port"] == 31000 and dropped == []
+    kept, dropped = engine_cell.engine_kwargs(spec, set(kwargs) - {"decode_log_interval"})
+    assert dropped == ["decode_log_interval"] and "decode_log_interval" not in kept
+
+
+class _FakeEngine:
+    """Answers like sglang.Engine.generate: output ids from the prompt, host hits for reloads."""
+
+    def generate(self, input_ids, sampling_params, return_logprob=False):
+        n = sampling_params["max_new_tokens"]
+        ids = [(sum(input_ids) + i) % 97 for i in range(n)]
+        host = 1024 if len(input_ids) > 1000 and input_ids[-1] % 2 == 0 else 0
+        return {"output_ids": ids, "meta_info": {"output_token_logprobs": [(-1.0, t, None) for t in ids],
+                                                 "cached_tokens": host, "cached_tokens_details": {"device": 0,
+                                                                                                  "host": host}}}
+
+
+def test_run_correctness_records_every_request():
+    record = {}
+    engine_cell.run_correctness(_FakeEngine(), {"vocab": models.VOCAB}, record)
+    assert len(record["requests"]) == 2 * workload.PREFIXES + 2
+    assert record["host_hit_tokens"] == 1024 * record["host_hits"]
+    assert {"output_ids", "logprobs", "host_hit", "device_hit", "seconds"} <= set(record["requests"][0])
+
+
+# ---------------------------------------------------------------------------
+# The runner.
+
+def _job(name, seconds, **kw):
+    kw.setdefault("expect", 0.1)
+    return runner.Job(name, [sys.executable, "-c", f"import time; time.sleep({seconds})"], **kw)
+
+
+def test_runner_runs_side_by_side_and_stops_what_overruns(tmp_path):
+    start = time.monotonic()
+    outcomes = runner.run([_job("a", 0.3), _job("b", 0.3), _job("slow", 30, timeout=1.0), _job("c", 0.2)],
+                          parallel=3, deadline=start + 20, log_dir=tmp_path, poll=0.05)
+    assert [(o.name, o.status) for o in outcomes] == [("a", "done"), ("b", "done"), ("slow", "timeout"),
+                                                      ("c", "done")]
+    assert time.monotonic() - start < 10 and (tmp_path / "slow.log").exists()
+
+
+def test_runner_stops_the_whole_process_group_at_the_deadline(tmp_path):
+    # The job starts a grandchild (as an engine starts its scheduler); both must be gone afterwards.
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+            f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    start = time.monotonic()
+    outcomes = runner.run([runner.Job("engine", [sys.executable, "-c", code], timeout=60, expect=0.1),
+                           _job("late", 0.1, expect=5.0)], parallel=1, deadline=start + 2.0, log_dir=tmp_path,
+                          poll=0.05)
+    assert [o.status for o in outcomes] == ["deadline", "not started"]
+    grandchild = int(pid_file.read_text())
+    time.sleep(0.3)
+    assert not _alive(grandchild)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_runner_holds_later_jobs_until_the_first_ends(tmp_path):
+    start = time.monotonic()
+    order = []
+    runner.run([_job("first", 0.5), _job("second", 0.1)], parallel=2, deadline=start + 20, log_dir=tmp_path,
+               hold_after=1, hold_s=30, poll=0.05, on_done=lambda o: order.append(o.name))
+    assert order == ["first", "second"] and time.monotonic() - start < 10
+
+
+def test_runner_counts_gpus(tmp_path):
+    start = time.monotonic()
+    order = []
+    runner.run([_job("two", 0.4, gpus=2), _job("one", 0.1)], parallel=4, gpus=2, deadline=start + 20,
+               log_dir=tmp_path, poll=0.05, on_done=lambda o: order.append(o.name))
+    assert order == ["two", "one"]  # "one" waited for a free GPU
+
+
+# ---------------------------------------------------------------------------
+# The judge.
+
+START = ("INFO sglang_hicache_jit.plugin: sglang-hicache-jit: sglang 0.5.17 (checked against sglang 0.5.17): "
+         "routing 13 HiCache ops and 7 pool methods through this package")
+POOL = ("INFO sglang_hicache_jit.integrations.sglang.pools: sglang-hicache-jit: MLATokenToKVPoolHost "
+        "(layout=page_first, 1152 B rows) transfers through the JIT kernel with io_backend=kernel")
+
+
+def _record(mode, outputs, *, host=1024, io="kernel", layout="page_first", ok=True, log=""):
+    requests = [{"id": f"r{i}", "phase": "reload", "output_ids": o, "logprobs": [-0.5] * len(o), "host_hit": host}
+                for i, o in enumerate(outputs)]
+    requests += [{"id": "sensitivity-a", "phase": "sensitivity", "output_ids": [1], "logprobs": [-1.0],
+                  "host_hit": 0},
+                 {"id": "sensitivity-b", "phase": "sensitivity", "output_ids": [2], "logprobs": [-1.0],
+                  "host_hit": 0}]
+    if mode.startswith("plugin") and not log:
+        log = START + "\n" + POOL
+    return {"cell": f"0.5.17-mla-tiny-{io}-{layout}-{mode}", "ok": ok, "error": "" if ok else "ValueError: no",
+            "spec": {"release": "0.5.17", "kind": "mla-tiny", "io_backend": io, "layout": layout, "mode": mode},
+            "effective": {"hicache_io_backend": io, "hicache_mem_layout": layout}, "requests": requests,
+            "host_hit_tokens": host * len(outputs), "_log": log}
+
+
+GOOD = [[1, 2], [3, 4]]
+
+
+def _verdict(records):
+    return summary.judge(records)["configurations"][0]["verdict"]
+
+
+def test_judge_passes_equal_modes_with_a_differing_control():
+    records = [_record(m, GOOD) for m in ("upstream", "plugin", "plugin-nojit")] + [
+        _record("control", [[1, 2], [9, 9]])]
+    result = summary.judge(records)
+    assert result["passed"] and result["configurations"][0]["checks"]["control_differs"] == {
+        "0.5.17-mla-tiny-kernel-page_first-control": 1}
+
+
+@pytest.mark.parametrize("broken, why", [
+    (lambda rs: rs[1]["requests"][0].update(output_ids=[1, 3]), "outputs differ"),
+    (lambda rs: rs[1]["requests"][0].update(logprobs=[-0.5, -0.6]), "outputs differ"),
+    (lambda rs: rs[3]["requests"][1].update(output_ids=[3, 4]), "negative control equalled"),
+    (lambda rs: rs[2].update(host_hit_tokens=0), "no host hit"),
+    (lambda rs: rs[0]["requests"][-1].update(output_ids=[1]), "sensitivity pair"),
+    (lambda rs: rs[1].update(_log=START + "\n" + POOL + "\n[12:00:01] ERROR sglang: boom"), "error lines"),
+    (lambda rs: rs[0].update(_log="Traceback (most recent call last):"), "error lines"),
+    (lambda rs: rs[1].update(_log=POOL), "start line"),
+])
+def test_judge_fails_each_broken_check(broken, why):
+    records = [_record(m, GOOD) for m in ("upstream", "plugin", "plugin-nojit")] + [_record("control", [[1, 2],
+                                                                                                     [9, 9]])]
+    records[3]["requests"][1]["output_ids"] = [9, 9]
+    broken(records)
+    verdict = _verdict(records)
+    assert verdict.startswith("fail") and why in verdict, verdict
+
+
+def test_judge_records_upstream_refusals_and_groups_rewritten_requests():
+    records = [_record("upstream", GOOD, ok=False), _record("plugin", GOOD), _record("plugin-nojit", GOOD)]
+    rewritten = _record("plugin", GOOD, io="kernel", layout="page_first_direct")
+    rewritten["effective"] = {"hicache_io_backend": "direct", "hicache_mem_layout": "page_first_direct"}
+    direct = [_record(m, [[5], [6]], io="direct", layout="page_first_direct") for m in ("upstream", "plugin")]
+    result = summary.judge(records + [rewritten] + direct)
+    by_pair = {(v["io_backend"], v["layout"]): v for v in result["configurations"]}
+    assert by_pair[("kernel", "page_first")]["checks"]["raised"] == {
+        "0.5.17-mla-tiny-kernel-page_first-upstream": "ValueError: no"}
+    assert by_pair[("kernel", "page_first")]["verdict"] == "pass"
+    assert by_pair[("direct", "page_first_direct")]["verdict"].startswith("fail: outputs differ")  # [[1,2],...] vs [[5],[6]]
+
+
+def test_judge_is_incomplete_with_fewer_than_two_modes():
+    assert _verdict([_record("plugin", GOOD)]) == "incomplete"
+
+
+def test_ttft_table_puts_the_pcie_floor_beside_each_mode():
+    def rec(mode, host_ms):
+        return {"ok": True, "spec": {"workload": "ttft", "mode": mode},
+                "ttft_summary": [{"length": 8192, "background": False, "host_hit_ms": host_ms, "device_hit_ms": 3.0,
+                                  "host_rounds": 5}]}
+
+    rows = summary.ttft_table([rec("upstream", 40.0), rec("plugin", 20.0)], models.kv_row_bytes("mla-kv")["token"])
+    assert rows == [{"length": 8192, "background": False, "floor_ms": 10.47, "host_ms_upstream": 40.0,
+                     "device_ms_upstream": 3.0, "host_rounds_upstream": 5, "host_ms_plugin": 20.0,
+                     "device_ms_plugin": 3.0, "host_rounds_plugin": 5}]
+    assert "| 8192 | no | 10.47 | 3.0 | 40.0 | 20.0 | None |" in summary.markdown({"configurations": []}, rows)
+
+
+def test_summarize_ttft_keeps_only_real_hits():
+    rows = [{"length": 2048, "round": r, "background": False,
+             "host": {"ttft_s": 0.01 * (r + 1), "host_hit": 2048 if r < 2 else 0, "device_hit": 0},
+             "device": {"ttft_s": 0.002, "host_hit": 0, "device_hit": 2048}} for r in range(3)]
+    assert engine_cell.summarize_ttft(rows) == [{"length": 2048, "background": False, "host_hit_ms": 15.0,
+                                                  "device_hit_ms": 2.0, "host_rounds": 2, "rounds": 3}]
+
+
+# ---------------------------------------------------------------------------
+# The carry's rules (no download here).
+
+METADATA = """Metadata-Version: 2.4
+Name: sglang
+Requires-Dist: flashinfer_python[cu13]==0.6.15.post1
+Requires-Dist: sglang-kernel==0.4.6.post1
+Requires-Dist: transformers==5.12.1
+Requires-Dist: xgrammar==0.2.1
+Requires-Dist: torch==2.13.0
+Requires-Dist: fastapi
+Requires-Dist: av==16.1.0; sys_platform == "linux" and (platform_machine == "aarch64")
+Requires-Dist: diffusers==0.37.0; extra == "diffusion"
+"""
+
+
+def test_carry_reads_pins_and_labels_the_route():
+    pins = carry.release_pins(METADATA)
+    assert pins["flashinfer-python"] == "0.6.15.post1" and pins["sglang-kernel"] == "0.4.6.post1"
+    assert "diffusers" not in pins and "fastapi" not in pins
+    cross = carry.route("0.5.19", pins["sglang-kernel"])
+    assert not cross["official"] and cross["label"].startswith("unofficial") and cross["env"] == {
+        "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1"}
+    own = carry.route("0.5.17", "0.4.5")
+    assert own["official"] and own["label"].startswith("official") and own["env"] == {}
+
+
+def test_carry_wheel_plan_leaves_out_the_image_and_keeps_the_pins():
+    image = {"torch", "tokenizers", "fastapi", "ninja"}
+    wheels = carry.wheel_plan(carry.release_pins(METADATA), image)
+    assert wheels["transformers"] == "5.12.1" and wheels["xgrammar"] == "0.2.1"
+    assert wheels["tokenizers"] == "0.22.2"  # pinned by us, though the image has one
+    assert "fastapi" not in wheels and "torch" not in wheels and "sglang-kernel" not in wheels
+    assert carry.wheel_plan({}, set(), flashinfer="0.6.18")["flashinfer-python"] == "0.6.18"
+    assert "tokenizers" not in carry.wheel_plan({"tokenizers": "0.23.2"}, image)  # the image's own version
+
+
+def test_image_list_lacks_every_small_wheel_carried():
+    image = {carry.normalize(x) for x in (ROOT / "tools" / "gpu_image_packages.txt").read_text().split()
+             if not x.startswith("#")}
+    assert not set(carry.SERVER_WHEELS) - {"tokenizers"} & image
+
+
+@pytest.mark.parametrize("name, kept", [
+    ("sglang/srt/models/deepseek_v2.py", True), ("sglang/multimodal_gen/x.py", False),
+    ("sglang/benchmark/a.py", False), ("sglang/srt/server/_core.cpython-312-x86_64-linux-gnu.so", False),
+    ("sglang/test/test_utils.py", True), ("sglang-0.5.17.dist-info/METADATA", True),
+    ("sglang/srt/rust_extensions/_server.cpython-312-x86_64-linux-gnu.so", False),
+    ("sglang/srt/rust_extensions/loader.py", True),
+    ("sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-312-x86_64-linux-gnu.so", True)])
+def test_carry_trims_what_a_server_never_imports(name, kept):
+    assert (not carry._TRIM_SGLANG.search(name)) is kept
+
+
+@pytest.mark.parametrize("name, kept", [
+    ("sgl_kernel/sm90/common_ops.abi3.so", True), ("sgl_kernel/spatial_ops.abi3.so", True),
+    ("sgl_kernel/kvcacheio.py", True), ("sgl_kernel/infllm_v2/_loader.py", True),
+    ("sgl_kernel/flash_ops.abi3.so", False), ("sgl_kernel/sm100/common_ops.abi3.so", False),
+    ("sgl_kernel/flashmla_ops.abi3.so", False), ("triton_kernels/matmul_ogs.py", True),
+    ("sglang_kernel-0.4.5.dist-info/METADATA", True)])
+def test_carry_keeps_sgl_kernels_server_path(name, kept):
+    assert bool(carry._KEEP_KERNEL.match(name)) is kept
+
+
+def test_trim_wheel_drops_members_and_rewrites_record(tmp_path):
+    wheel = tmp_path / "x-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("x/__init__.py", "A = 1\n")
+        z.writestr("x/lib/big.a", b"\0" * 100)
+        z.writestr("x/_native.so", b"not an ELF file")  # strip fails: kept as it is
+        z.writestr("x-1.0.dist-info/RECORD", "stale\n")
+    trimmed = zipfile.ZipFile(io.BytesIO(carry.trim_wheel(wheel, re.compile(r"\.a$"))))
+    assert sorted(trimmed.namelist()) == ["x-1.0.dist-info/RECORD", "x/__init__.py", "x/_native.so"]
+    record = trimmed.read("x-1.0.dist-info/RECORD").decode().splitlines()
+    assert record[0] == carry._record_line("x/__init__.py", b"A = 1\n") and record[-1] == "x-1.0.dist-info/RECORD,,"
+    assert trimmed.read("x/_native.so") == b"not an ELF file"
+
+
+def test_transformers_trim_keeps_what_sglang_imports():
+    trim = carry._TRIM_WHEEL["transformers"]
+    assert trim.search("transformers/models/bert/modeling_bert.py")
+    for kept in ("transformers/models/llama/modeling_llama.py", "transformers/models/auto/modeling_auto.py",
+                 "transformers/models/bert/configuration_bert.py", "transformers/models/bert/tokenization_bert.py",
+                 "transformers/modeling_utils.py", "transformers/models/clip/image_processing_clip.py"):
+        assert not trim.search(kept), kept
+
+
+# ---------------------------------------------------------------------------
+# The harness plugin.
+
+def test_harness_plugin_is_found_as_an_sglang_plugin(tmp_path):
+    harness_plugin.install(tmp_path)
+    found = [ep for dist in metadata.distributions(path=[str(tmp_path)]) for ep in dist.entry_points
+             if ep.group == "sglang.srt.plugins"]
+    assert [(ep.name, ep.value) for ep in found] == [("server_harness", "sglang_server.harness_plugin:register")]
+
+
+def test_negative_control_zeroes_exactly_the_loaded_rows(monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch")
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("HICACHE_SERVER_TRACE", str(trace))
+    device = SimpleNamespace(kv_buffer=[torch.ones(8, 1, 4), torch.ones(8, 1, 4)], start_layer=0)
+    pool = SimpleNamespace()
+    loaded = torch.tensor([2, 5])
+
+    def original(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs):
+        device_pool.kv_buffer[layer_id][device_indices] = 7.0
+
+    monkeypatch.delenv("HICACHE_SERVER_CORRUPT", raising=False)
+    harness_plugin.load_hook(original, pool, device, loaded, loaded, 1, "kernel")
+    assert float(device.kv_buffer[1][2].sum()) == 28.0  # no corruption unless asked
+    monkeypatch.setenv("HICACHE_SERVER_CORRUPT", "zero")
+    harness_plugin.load_hook(original, pool, device, loaded, loaded, 0, "kernel")
+    rows = device.kv_buffer[0].flatten(1).sum(dim=1).tolist()
+    assert rows == [4, 4, 0, 4, 4, 0, 4, 4]  # the loaded rows zeroed, the others untouched
+    assert json.loads(trace.read_text().splitlines()[-1])["tokens"] == 2
+
+
+@pytest.mark.parametrize("pool, device, expect", [
+    (SimpleNamespace(_buffer_index_by_layer={3: 1}, device_kv_buffers=["a", "b"]), None, ["b"]),  # MLA 0.5.23
+    (SimpleNamespace(device_k_buffers=["k0", "k1"], device_v_buffers=["v0", "v1"]), None, ["k1", "v1"]),  # MHA 0.5.23
+    (SimpleNamespace(device_kv_buffers=["a", "b"]), None, ["b"]),  # MLA 0.5.22
+    (SimpleNamespace(), SimpleNamespace(kv_buffer=["a", "b"]), ["b"]),  # MLA up to 0.5.21
+    (SimpleNamespace(), SimpleNamespace(k_buffer=["k0", "k1"], v_buffer=["v0", "v1"]), ["k1", "v1"]),  # MHA
+])
+def test_harness_finds_the_device_rows_of_each_release_family(pool, device, expect):
+    layer = 3 if hasattr(pool, "_buffer_index_by_layer") else 1
+    assert harness_plugin.device_rows(pool, device, layer) == expect
+
+
+def test_server_imports_reports_every_missing_module_at_once():
+    from sglang_server import server_imports
+
+    result = server_imports.check(("json", "no_such_module_h29", "also_missing_h29.sub"))
+    assert not result["ok"] and result["missing"] == ["also_missing_h29", "no_such_module_h29"]
+    assert set(result["failed"]) == {"no_such_module_h29", "also_missing_h29.sub"}
+
+
+# ---------------------------------------------------------------------------
+# main.py end to end, with a stand-in for sglang.Engine (the real one runs on the GPU machine).
+
+_FAKE_SGLANG = {
+    "sglang/__init__.py": """
+import asyncio, os, sys
+from types import SimpleNamespace
+__version__ = "0.0.0+standin"
+REWRITE = {("kernel", "page_first_direct"): ("direct", "page_first_direct"),
+           ("direct", "page_first"): ("direct", "page_first_direct")}
+
+class Engine:
+    def __init__(self, **kw):
+        io, layout = REWRITE.get((kw["hicache_io_backend"], kw["hicache_mem_layout"]),
+                                 (kw["hicache_io_backend"], kw["hicache_mem_layout"]))
+        self.server_args = SimpleNamespace(**dict(kw, hicache_io_backend=io, hicache_mem_layout=layout))
+        if os.environ.get("SGLANG_HICACHE_JIT_SGLANG_PLUGIN") == "1":
+            print("[t] INFO sglang_hicache_jit.plugin: sglang-hicache-jit: sglang 0.0.0 (x): routing 21 HiCache ops",
+                  file=sys.stderr)
+            print("[t] INFO p: sglang-hicache-jit: MLATokenToKVPoolHost (layout=page_first, 1152 B rows) transfers",
+                  file=sys.stderr)
+        self.seen = set()
+        self.loop = asyncio.new_event_loop()
+
+    async def async_generate(self, input_ids, sampling_params, return_logprob=False):
+        await asyncio.sleep(0.001)  # a real engine waits for its scheduler
+        if input_ids and isinstance(input_ids[0], list):
+            return [self.generate(ids, sampling_params) for ids in input_ids]
+        return self.generate(input_ids, sampling_params)
+
+    def generate(self, input_ids, sampling_params, return_logprob=False):
+        head = tuple(input_ids[:1024])
+        host = len(input_ids) // 1024 * 1024 if len(input_ids) > 1024 and head in self.seen else 0
+        self.seen.add(head)
+        salt = 1 if host and os.environ.get("HICACHE_SERVER_CORRUPT") == "zero" else 0
+        ids = [(sum(input_ids) + i + salt) % 97 for i in range(sampling_params["max_new_tokens"])]
+        return {"output_ids": ids, "meta_info": {"output_token_logprobs": [(-0.25, t, None) for t in ids],
+                "cached_tokens": host, "cached_tokens_details": {"device": 0, "host": host}}}
+
+    def shutdown(self):
+        pass
+""",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/server_args.py": """
+from dataclasses import dataclass, make_dataclass
+NAMES = ["model_path", "tokenizer_path", "load_format", "dtype", "enable_hierarchical_cache", "hicache_io_backend",
+         "hicache_mem_layout", "hicache_write_policy", "hicache_ratio", "page_size", "max_total_tokens",
+         "max_running_requests", "chunked_prefill_size", "attention_backend", "sampling_backend", "disable_cuda_graph",
+         "mem_fraction_static", "random_seed", "log_level", "port", "nccl_port", "context_length", "enable_metrics"]
+ServerArgs = make_dataclass("ServerArgs", [(n, object, None) for n in NAMES])
+""",
+}
+
+
+def test_main_runs_smoke_end_to_end_with_a_stand_in_engine(tmp_path):
+    pytest.importorskip("tokenizers", reason='needs tokenizers: pip install -e ".[test,sglang]"')
+    import os
+    import subprocess
+    import tarfile
+
+    fake = tmp_path / "fake"
+    for name, text in _FAKE_SGLANG.items():
+        (fake / name).parent.mkdir(parents=True, exist_ok=True)
+        (fake / name).write_text(text)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "sglang_server" / "main.py"), "smoke", "--release",
+                           "0.0.0", "--out", str(out), "--work", str(tmp_path / "work"), "--gpus", "1",
+                           "--budget-s", "400"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "smoke-summary.json").read_text())
+    assert result["passed"] and [o["status"] for o in result["outcomes"]] == ["done"] * 4
+    assert [(r["length"], r["host_rounds_plugin"]) for r in result["ttft"]] == [(2048, 2), (2048, 2), (8192, 2),
+                                                                               (8192, 2)]
+    checks = result["configurations"][0]["checks"]
+    assert checks["control_differs"] == {"0.0.0-mla-tiny-kernel-page_first-control": 8}  # every reload differed
+    assert set(checks["host_hits"].values()) == {8 * 1024}
+    assert sorted(p.name for p in out.iterdir()) == ["smoke-cells.tar.gz", "smoke-summary.json", "smoke-summary.md"]
+    with tarfile.open(out / "smoke-cells.tar.gz") as tar:
+        names = tar.getnames()
+    assert "smoke-cells/0.0.0-mla-tiny-kernel-page_first-plugin.json" in names
+    assert "sglang-hicache-jit: sglang" in (out / "smoke-summary.md").read_text()

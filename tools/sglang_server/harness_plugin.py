@@ -1,0 +1,103 @@
+"""A second SGLang plugin, for the server tests only: weights that matter, a negative control, a trace.
+
+``install(dest)`` writes a distribution (``sglang-server-harness``, entry point ``server_harness`` in
+SGLang's ``sglang.srt.plugins`` group) into ``dest``; with ``dest`` and this folder's parent on
+PYTHONPATH, SGLang's own ``load_plugins()`` runs ``register`` in each of its processes, beside
+(or without) this package's plugin. It registers through SGLang's ``HookRegistry``:
+
+* REPLACE of ``initialize_dummy_weights`` with ``weights.fill`` (``--load-format dummy`` then gives a
+  model whose output depends on its prompt);
+* with ``HICACHE_SERVER_CORRUPT=zero``, an AROUND hook on the MLA and MHA host pools'
+  ``load_to_device_per_layer`` that zeroes, on the device, every row the pool has just loaded back from
+  the host: the negative control, whose outputs must differ;
+* with ``HICACHE_SERVER_TRACE=<file>``, one JSON line per host pool built (its class, layout and row
+  size, and what this package's plugin patched) and per load-back of layer 0 (tokens loaded), so a
+  run shows that load-back happened, and through which hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+NAME = "sglang-server-harness"
+ENTRY = "server_harness"
+_WEIGHTS = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
+_POOLS = ("sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost",
+          "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost")
+_lock = threading.Lock()
+
+
+def install(dest: Path) -> Path:
+    """Writes the distribution's metadata into ``dest`` (put ``dest`` and ``tools/`` on PYTHONPATH)."""
+    info = Path(dest) / "sglang_server_harness-0.0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {NAME}\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{ENTRY} = sglang_server.harness_plugin:register\n")
+    return Path(dest)
+
+
+def trace(record: dict) -> None:
+    path = os.environ.get("HICACHE_SERVER_TRACE")
+    if not path:
+        return
+    record = dict(record, pid=os.getpid())
+    with _lock, open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def dummy_weights(model, low: float = -1e-3, high: float = 1e-3, seed: int = 1234) -> None:
+    """Replaces SGLang's initialize_dummy_weights (same parameters; the range is ours, see weights.py)."""
+    from sglang_server.weights import fill
+
+    trace({"event": "weights", "filled": fill(model, seed=seed)})
+
+
+def device_rows(pool, device_pool, layer_id: int, is_draft: bool = False) -> list:
+    """The device tensors a host pool's load of ``layer_id`` writes, in every release family."""
+    if hasattr(pool, "_buffer_index_by_layer") and hasattr(pool, "device_kv_buffers"):  # MLA 0.5.23
+        return [pool.device_kv_buffers[pool._buffer_index_by_layer[layer_id]]]
+    if hasattr(pool, "device_k_buffers"):  # MHA 0.5.23
+        return [pool.device_k_buffers[layer_id], pool.device_v_buffers[layer_id]]
+    if getattr(pool, "device_kv_buffers", None) is not None:  # MLA 0.5.22
+        return [pool.device_kv_buffers[layer_id]]
+    layer = 0 if is_draft else layer_id - getattr(device_pool, "start_layer", 0)
+    if hasattr(device_pool, "kv_buffer"):
+        return [device_pool.kv_buffer[layer]]
+    return [device_pool.k_buffer[layer], device_pool.v_buffer[layer]]
+
+
+def load_hook(original, self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs):
+    result = original(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
+    if layer_id == 0:
+        trace({"event": "load", "pool": type(self).__name__, "tokens": int(device_indices.numel()),
+               "io_backend": io_backend, "corrupt": os.environ.get("HICACHE_SERVER_CORRUPT", "")})
+    if os.environ.get("HICACHE_SERVER_CORRUPT") == "zero":
+        for rows in device_rows(self, device_pool, layer_id, kwargs.get("is_draft", False)):
+            rows.index_fill_(0, device_indices.to(rows.device).long(), 0)
+    return result
+
+
+def pool_built(result, self, *args, **kwargs):
+    """AFTER the pool's __init__: what was built, and what this package's plugin did in this process."""
+    try:
+        from sglang_hicache_jit.integrations.sglang import status
+        plugin = {"registered": status["registered"], "patched": len(status["patched"]),
+                  "skipped": [name for name, _ in status["skipped"]], "reason": status["reason"]}
+    except Exception as exc:  # the package may be absent: a plugin-off control still traces its pools
+        plugin = {"error": f"{type(exc).__name__}: {exc}"}
+    trace({"event": "pool", "pool": type(self).__name__, "layout": getattr(self, "layout", None),
+           "size": getattr(self, "size", None), "plugin": plugin})
+    return result
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(_WEIGHTS, dummy_weights, HookType.REPLACE)
+    for pool in _POOLS:
+        HookRegistry.register(f"{pool}.load_to_device_per_layer", load_hook, HookType.AROUND)
+        HookRegistry.register(f"{pool}.__init__", pool_built, HookType.AFTER)
+    trace({"event": "registered", "corrupt": os.environ.get("HICACHE_SERVER_CORRUPT", "")})

@@ -1,0 +1,156 @@
+"""The server tests on the GPU machine: plan the engines of a mode, run them side by side within a time box,
+judge, and leave at most a handful of files under ``--out``.
+
+    python3 tools/sglang_server/main.py smoke|matrix|ttft|cp2 --release 0.5.17 --out $OUT [--budget-s 480]
+
+(``tools/gpu_server.sh`` installs the carry and calls this.) Under ``--out``: ``<mode>-summary.md`` (the
+verdicts, and the plugin's lines from one engine's log as a user sees them), ``<mode>-summary.json``
+(``summary.py``) and ``<mode>-cells.tar.gz`` (every engine's JSON, log and trace): three files a mode, so
+two modes and the import check fit the eight files a device call returns. A cell that did not finish in
+time is listed as such; what finished is judged.
+
+``--dry-run`` starts no engine: it writes the models and the specs, and builds each cell's server
+arguments in this process (so a configuration SGLang refuses shows without a GPU to spare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from sglang_server import harness_plugin, models, plan, runner, summary  # noqa: E402
+
+# SGLang logs without the level by default; with it, an error line is found by its level.
+LOGGING = {"version": 1, "disable_existing_loggers": False,
+           "formatters": {"f": {"format": "[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+                                "datefmt": "%H:%M:%S"}},
+           "handlers": {"h": {"class": "logging.StreamHandler", "formatter": "f", "stream": "ext://sys.stderr"}},
+           "root": {"level": "INFO", "handlers": ["h"]}}
+TIMEOUT = {"correctness": 330.0, "ttft": 480.0}
+EXPECT = {"correctness": 100.0, "ttft": 150.0}
+
+
+def prepare(work: Path, kinds) -> dict:
+    """Models, the logging config and the harness plugin under ``work``; the environment the engines need."""
+    work.mkdir(parents=True, exist_ok=True)
+    made = models.make_all(work / "models", tuple(sorted(kinds)))
+    (work / "logging.json").write_text(json.dumps(LOGGING))
+    harness_plugin.install(work / "harness")
+    path = os.pathsep.join([str(HERE.parent), str(work / "harness"), os.environ.get("PYTHONPATH", "")])
+    return {"models": made, "env": {"PYTHONPATH": path, "SGLANG_LOGGING_CONFIG_PATH": str(work / "logging.json"),
+                                    "PYTHONUNBUFFERED": "1"}}
+
+
+def jobs_for(cells, made: dict, cells_dir: Path, deadline_epoch: float, base_port: int = 30000) -> list:
+    jobs = []
+    for i, cell in enumerate(cells):
+        spec = plan.spec(cell, model_dir=made[cell.model], vocab=models.VOCAB, port=base_port + 20 * i)
+        if cell.workload == "ttft":
+            spec["deadline"] = deadline_epoch - 60  # leave time to shut down and write
+        argv = [sys.executable, str(HERE / "engine_cell.py"), "--spec", json.dumps(spec), "--out", str(cells_dir)]
+        jobs.append(runner.Job(cell.name, argv, timeout=TIMEOUT[cell.workload], expect=EXPECT[cell.workload],
+                               gpus=spec.get("gpus", 1)))
+    return jobs
+
+
+def dry_run(cells, made: dict, out: Path, mode: str = "dry") -> list:
+    """Each cell's ServerArgs, built here without an engine: (cell, effective pair or the error)."""
+    from sglang.srt.server_args import ServerArgs
+    from sglang_server.engine_cell import engine_kwargs, server_fields
+
+    fields = server_fields(ServerArgs)
+    rows = []
+    for i, cell in enumerate(cells):
+        spec = plan.spec(cell, model_dir=made[cell.model], vocab=models.VOCAB, port=30000 + 20 * i)
+        kwargs, dropped = engine_kwargs(spec, fields)
+        try:
+            args = ServerArgs(**kwargs)
+            if hasattr(args, "resolve_once"):  # 0.5.23: the rewrites run at resolution
+                args.resolve_once()
+            rows.append({"cell": cell.name, "ok": True, "dropped": dropped,
+                         "effective": [args.hicache_io_backend, args.hicache_mem_layout]})
+        except Exception as exc:  # noqa: BLE001 - a refusal is the answer
+            rows.append({"cell": cell.name, "ok": False, "dropped": dropped, "error": f"{type(exc).__name__}: {exc}"})
+    (out / f"{mode}-dry-run.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+def excerpt(cells_dir: Path) -> str:
+    """The plugin's lines (and SGLang's plugin lines) from the first plugin run's log."""
+    for log in sorted(cells_dir.glob("*-plugin.log")):
+        lines = [line for line in log.read_text(errors="replace").splitlines()
+                 if "sglang-hicache-jit" in line or "hicache_jit" in line or "plugin" in line.lower()]
+        if lines:
+            return f"# {log.name}\n" + "\n".join(lines[:60]) + "\n"
+    return "no plugin run's log found\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=sorted(plan.PLANS))
+    parser.add_argument("--release", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/srv/work"))
+    parser.add_argument("--budget-s", type=float, default=480.0, help="wall time for the engines, from now")
+    parser.add_argument("--parallel", type=int, default=None, help="engines at once (default: mode's)")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs on this machine (default: torch's count)")
+    parser.add_argument("--only", default="", help="cells whose name contains this")
+    parser.add_argument("--label", default="", help="put into the summary's title (e.g. 'unofficial')")
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    deadline = started + args.budget_s
+    args.out.mkdir(parents=True, exist_ok=True)
+    cells = [c for c in plan.PLANS[args.mode](args.release) if args.only in c.name]
+    prepared = prepare(args.work, {c.model for c in cells})
+    os.environ.update(prepared["env"])
+    if args.dry_run:
+        rows = dry_run(cells, prepared["models"], args.out, args.mode)
+        print(json.dumps(rows, indent=1))
+        return 0 if all(r["ok"] for r in rows) else 1
+    if args.gpus is None:
+        import torch
+
+        args.gpus = max(1, torch.cuda.device_count())
+    parallel = args.parallel or {"smoke": 4, "matrix": 10, "ttft": 1, "cp2": 1}[args.mode]
+    cells_dir = args.work / "cells"
+    shutil.rmtree(cells_dir, ignore_errors=True)
+    jobs = jobs_for(cells, prepared["models"], cells_dir, time.time() + args.budget_s)
+
+    def done(outcome):
+        print(f"[{time.monotonic() - started:6.0f} s] {outcome.name}: {outcome.status} in {outcome.seconds} s",
+              flush=True)
+
+    outcomes = runner.run(jobs, parallel=parallel, deadline=deadline, log_dir=cells_dir, hold_after=4,
+                          hold_s=100.0, gpus=args.gpus, on_done=done)
+    records = summary.load(cells_dir)
+    result = summary.judge(records)
+    result["outcomes"] = [vars(o) for o in outcomes]
+    ttft = summary.ttft_table(records, models.kv_row_bytes("mla-kv")["token"])
+    result["ttft"] = ttft
+    label = f"(sglang {args.release}{', ' + args.label if args.label else ''}, {args.mode})"
+    text = summary.markdown(result, ttft, label)
+    text += "\n" + "\n".join(f"* {o.name}: {o.status} ({o.seconds} s)" for o in outcomes) + "\n"
+    text += "\n## What a plugin run's log says\n\n```\n" + excerpt(cells_dir) + "```\n"
+    (args.out / f"{args.mode}-summary.md").write_text(text)
+    (args.out / f"{args.mode}-summary.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    with tarfile.open(args.out / f"{args.mode}-cells.tar.gz", "w:gz") as tar:
+        tar.add(cells_dir, arcname=f"{args.mode}-cells")
+    print(text)
+    if shutil.which("nvidia-smi"):
+        subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv"], check=False)
+    return 0 if result["passed"] or args.mode == "ttft" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

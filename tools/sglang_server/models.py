@@ -1,0 +1,130 @@
+"""Model folders for a real SGLang server without a download: a config, a locally trained tokenizer, no weights.
+
+SGLang serves them with ``--load-format dummy``; the harness plugin (``harness_plugin.py``) gives the
+dummy weights a scale at which the output depends on the prompt (``weights.py``). Three shapes:
+
+* ``mla-tiny``: DeepSeek-V3 (``DeepseekV3ForCausalLM``), 4 dense layers of MLA rows of 1152 B in bf16
+  (kv_lora_rank 512 + qk_rope_head_dim 64), hidden size 256: for correctness;
+* ``mla-kv``: the same rows in 61 layers, as DeepSeek-V3 has, with the small hidden size: a host hit
+  moves as many bytes per token as a real DeepSeek-V3 (70,272 B), for timing;
+* ``mha-tiny``: Llama (``LlamaForCausalLM``), 4 layers, 2 KV heads of 128 (512-B K and V rows): the MHA
+  host pool;
+* ``mla-dsa``: DeepSeek-V3.2 (``DeepseekV32ForCausalLM``, with the indexer), 4 layers: the only models
+  whose host pools SGLang layer-shards (two ranks, issue 28).
+
+transformers 5 does not write ``moe_layer_freq``, and SGLang 0.5.17 reads it when it builds a DeepSeek
+layer, so the config carries it, with ``scoring_func`` and ``topk_method``. Every layer is dense
+(``first_k_dense_replace`` = the layer count), so no MoE kernel runs.
+
+    python3 tools/sglang_server/models.py mla-tiny /tmp/models/mla-tiny
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+VOCAB = 2048
+SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0-3
+BOS, EOS = 1, 2
+CONTEXT = 40960  # room for the 32K-token prefixes of the TTFT runs
+
+_DEEPSEEK = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256,
+    "num_attention_heads": 4, "num_key_value_heads": 4,
+    "kv_lora_rank": 512, "q_lora_rank": 64, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+    "moe_layer_freq": 1, "ep_size": 1, "num_nextn_predict_layers": 0,
+    "rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+}
+_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 128, "rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+}
+# DeepSeek-V3.2 (DSA): MLA plus the indexer; SGLang builds layer-sharded host pools only for such models.
+_DSA = dict(_DEEPSEEK, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_topk=2048,
+            index_n_heads=64, index_head_dim=128)
+SHAPES = {"mla-tiny": (_DEEPSEEK, 4), "mla-kv": (_DEEPSEEK, 61), "mha-tiny": (_LLAMA, 4), "mla-dsa": (_DSA, 4)}
+
+
+def config(kind: str) -> dict:
+    base, layers = SHAPES[kind]
+    cfg = dict(base, num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=CONTEXT,
+               bos_token_id=BOS, eos_token_id=EOS, pad_token_id=3, tie_word_embeddings=False,
+               torch_dtype="bfloat16", use_cache=True)
+    if base is not _LLAMA:
+        cfg["first_k_dense_replace"] = layers  # every layer dense: no MoE kernels
+    return cfg
+
+
+def kv_row_bytes(kind: str) -> dict:
+    """Bytes of KV cache per token and layer (MLA: one row; MHA: K and V), and per token in all layers."""
+    cfg = config(kind)
+    if cfg["model_type"].startswith("deepseek"):
+        row = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
+    else:
+        row = 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    return {"row": row, "token": row * cfg["num_hidden_layers"], "layers": cfg["num_hidden_layers"]}
+
+
+def corpus(lines: int = 4000, seed: int = 7):
+    """Deterministic text to train the tokenizer on: words of a made-up language."""
+    import random
+
+    rng = random.Random(seed)
+    syllables = [a + b for a in "bdfgklmnprstvz" for b in "aeiou"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    for _ in range(lines):
+        yield " ".join(rng.choice(words) for _ in range(rng.randint(5, 25)))
+
+
+def train_tokenizer(vocab: int = VOCAB):
+    """A byte-level BPE tokenizer of exactly ``vocab`` ids (``tokenizers``), special tokens first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    if tok.get_vocab_size() != vocab:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} ids, not {vocab}")
+    return tok
+
+
+def make(kind: str, dest: Path, tokenizer=None) -> Path:
+    """Writes config.json, generation_config.json and the tokenizer files for ``kind`` into ``dest``."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(config(kind), indent=1) + "\n")
+    (dest / "generation_config.json").write_text(json.dumps({"bos_token_id": BOS, "eos_token_id": EOS}) + "\n")
+    (tokenizer or train_tokenizer()).save(str(dest / "tokenizer.json"))
+    (dest / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "pad_token": "<pad>", "model_max_length": CONTEXT, "add_bos_token": False, "clean_up_tokenization_spaces": False,
+    }, indent=1) + "\n")
+    (dest / "special_tokens_map.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}) + "\n")
+    return dest
+
+
+def make_all(root: Path, kinds=tuple(SHAPES)) -> dict:
+    """Every kind under ``root/<kind>``, one tokenizer trained for all."""
+    tok = train_tokenizer()
+    return {kind: str(make(kind, Path(root) / kind, tok)) for kind in kinds}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] in SHAPES:
+        print(make(sys.argv[1], Path(sys.argv[2])))
+    elif len(sys.argv) == 3 and sys.argv[1] == "all":
+        print(json.dumps(make_all(Path(sys.argv[2]))))
+    else:
+        sys.exit(f"usage: models.py {{{'|'.join(SHAPES)}|all}} DIR")

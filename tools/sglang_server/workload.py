@@ -1,0 +1,87 @@
+"""The requests of the server tests: deterministic token ids that force write-back, eviction and load-back.
+
+Correctness (``correctness()``), against a device pool of ``DEVICE_TOKENS`` tokens at page 64:
+
+* ``fill``: one request per prefix (``PREFIXES`` x ``PREFIX`` tokens, then a suffix): together more
+  than the device pool holds, so the earliest prefixes are evicted from the device once written
+  through to the host;
+* ``reload``: every prefix again, with another suffix: the evicted ones are host hits (loaded back
+  from the host pool), counted from ``meta_info["cached_tokens_details"]``;
+* ``sensitivity``: two fresh prompts that differ in one token near the start: their outputs must
+  differ, or the model's output does not depend on its prompt and equal outputs prove nothing.
+
+Every request is greedy with ``ignore_eos``, and they are sent one at a time, so two servers that load
+back the same bytes produce the same token ids and logprobs.
+
+TTFT (``ttft_rounds()``): per prefix length, rounds of a fresh prefix, fillers that evict it from the
+device, the prefix again (a host hit, timed) and once more (a device hit, timed).
+"""
+
+from __future__ import annotations
+
+import random
+
+PAGE = 64
+PREFIXES = 8
+PREFIX = 1024
+SUFFIX = 32
+NEW_TOKENS = 8
+DEVICE_TOKENS = 4096  # < PREFIXES * (PREFIX + SUFFIX + NEW_TOKENS): the fill phase evicts
+HOST_RATIO = 4.0  # the host pool holds every prefix
+FIRST_ID = 4  # ids below are special tokens
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> list:
+    return [rng.randrange(FIRST_ID, vocab) for _ in range(n)]
+
+
+def correctness(vocab: int, *, seed: int = 0, prefixes: int = PREFIXES, prefix: int = PREFIX,
+                suffix: int = SUFFIX, new_tokens: int = NEW_TOKENS) -> list:
+    """The requests, in the order they are sent: dicts with id, phase, input_ids, max_new_tokens."""
+    rng = random.Random(seed)
+    bodies = [_ids(rng, prefix, vocab) for _ in range(prefixes)]
+    requests = []
+    for phase in ("fill", "reload"):
+        for i, body in enumerate(bodies):
+            requests.append({"id": f"{phase}-{i}", "phase": phase, "prefix": i,
+                             "input_ids": body + _ids(rng, suffix, vocab), "max_new_tokens": new_tokens})
+    probe = _ids(rng, prefix // 4, vocab)
+    changed = list(probe)
+    changed[3] = FIRST_ID + (changed[3] - FIRST_ID + 1) % (vocab - FIRST_ID)
+    for name, ids in (("sensitivity-a", probe), ("sensitivity-b", changed)):
+        requests.append({"id": name, "phase": "sensitivity", "prefix": None, "input_ids": ids,
+                         "max_new_tokens": new_tokens})
+    return requests
+
+
+def expected_evictions(prefixes: int = PREFIXES, prefix: int = PREFIX, suffix: int = SUFFIX,
+                       new_tokens: int = NEW_TOKENS, device_tokens: int = DEVICE_TOKENS) -> int:
+    """Tokens the fill phase puts on the device beyond its pool (> 0: something is evicted)."""
+    return prefixes * (prefix + suffix + new_tokens) - device_tokens
+
+
+def ttft_rounds(vocab: int, lengths=(2048, 8192, 32768), *, rounds: int = 5, device_tokens: int,
+                suffix: int = PAGE, seed: int = 1) -> list:
+    """Per length and round: the prompts of one measurement.
+
+    ``warm``: the prefix plus a suffix (full prefill; written through to the host);
+    ``fillers``: fresh prompts of ``device_tokens`` tokens in all, which evict the prefix from the device;
+    ``host``: the prefix plus another suffix (its prefix is a host hit: the TTFT users feel);
+    ``device``: the prefix plus a third suffix (now a device hit).
+    """
+    rng = random.Random(seed)
+    out = []
+    filler_len = 8192
+    for length in lengths:
+        for r in range(rounds):
+            body = _ids(rng, length, vocab)
+            fillers = [_ids(rng, filler_len, vocab) for _ in range(-(-device_tokens // filler_len) + 1)]
+            out.append({"length": length, "round": r, "warm": body + _ids(rng, suffix, vocab), "fillers": fillers,
+                        "host": body + _ids(rng, suffix, vocab), "device": body + _ids(rng, suffix, vocab)})
+    return out
+
+
+def decoders(vocab: int, count: int = 8, prompt: int = 512, seed: int = 2) -> list:
+    """Prompts of the background requests that decode while TTFT is measured."""
+    rng = random.Random(seed)
+    return [_ids(rng, prompt, vocab) for _ in range(count)]
