@@ -225,6 +225,32 @@ def test_runner_stops_the_whole_process_group_at_the_deadline(tmp_path):
     assert not _alive(grandchild)
 
 
+def test_jobs_die_with_a_runner_that_is_killed(tmp_path):
+    """A runner killed from outside (a test's timeout, a device call's limit) leaves no job running."""
+    import signal
+    import subprocess
+
+    pid_file = tmp_path / "job.pid"
+    job = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"]
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "import sys, time; sys.path.insert(0, sys.argv[1]); import runner; "
+                               f"runner.run([runner.Job('job', {job!r}, timeout=60, expect=0.1)], parallel=1, "
+                               f"deadline=time.monotonic() + 60, log_dir=__import__('pathlib').Path({str(tmp_path)!r}))",
+                               str(ROOT / "tools" / "sglang_server")])
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    job_pid = int(pid_file.read_text())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(40):
+        if not _alive(job_pid):
+            break
+        time.sleep(0.05)
+    assert not _alive(job_pid)
+
+
 def _alive(pid: int) -> bool:
     """Running (a zombie waiting for its reaper counts as gone)."""
     try:

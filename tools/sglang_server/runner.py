@@ -50,6 +50,17 @@ def _stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
             continue
 
 
+def _die_with_parent() -> None:
+    """In the child, before it runs: Linux kills it if the runner dies (a runner killed by a timeout must not
+    leave engines running; each sits in its own process group, which nothing else would stop)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the deadline and the timeouts still stop jobs
+        pass
+
+
 def run(jobs: list, *, parallel: int, deadline: float, log_dir: Path, hold_after: int = 0, hold_s: float = 0.0,
         gpus: int = 1, poll: float = 0.5, clock=time.monotonic, on_done=None) -> list:
     """Runs ``jobs`` in order, ``parallel`` at a time (and within ``gpus`` GPUs), until ``deadline`` (a
@@ -96,7 +107,7 @@ def run(jobs: list, *, parallel: int, deadline: float, log_dir: Path, hold_after
             pending.pop(0)
             log = open(log_dir / f"{job.name}.log", "w")
             proc = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, **job.env})
+                                    env={**os.environ, **job.env}, preexec_fn=_die_with_parent)
             running[index] = (proc, clock(), log)
             busy += job.gpus
         if pending or running:
