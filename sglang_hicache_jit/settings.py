@@ -224,13 +224,7 @@ DEFAULT_STAGING_BYTES = 512 << 20
 
 def staging_bytes() -> int:
     """GPU memory a page_first host pool may use to stage backups (0: no staging, strided copies instead)."""
-    value = os.environ.get(STAGING, "").strip()
-    if not value:
-        return DEFAULT_STAGING_BYTES
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise BadSettingError(f"{STAGING}: {exc}.", f"correct or unset {STAGING} (0 turns staging off).") from None
+    return _size(STAGING, DEFAULT_STAGING_BYTES, f"correct or unset {STAGING} (0 turns staging off).")
 
 
 def positive_number(name: str, value: str) -> float:
@@ -336,15 +330,20 @@ def parse_size(text: str) -> int:
     return size
 
 
-def cache_max_size() -> int | None:
-    """Size cap applied to the cache after each build or import; None: no cap."""
-    value = os.environ.get(CACHE_MAX_SIZE, "").strip()
+def _size(name: str, default, fix: str):
+    """The size in the variable ``name`` (see parse_size), or ``default`` when it is unset."""
+    value = os.environ.get(name, "").strip()
     if not value:
-        return None
+        return default
     try:
         return parse_size(value)
     except ValueError as exc:
-        raise BadSettingError(f"{CACHE_MAX_SIZE}: {exc}.", f"correct or unset {CACHE_MAX_SIZE}.") from None
+        raise BadSettingError(f"{name}: {exc}.", fix) from None
+
+
+def cache_max_size() -> int | None:
+    """Size cap applied to the cache after each build or import; None: no cap."""
+    return _size(CACHE_MAX_SIZE, None, f"correct or unset {CACHE_MAX_SIZE}.")
 
 
 def _raw(name: str) -> str | None:

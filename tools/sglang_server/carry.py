@@ -188,12 +188,13 @@ def download(spec: str, dest: Path, python: str = PYTHON) -> Path:
     return match[0]
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def _release_kit():
+    """tests/release_kit.py (the releases' records, the private wheel cache, the sha256 of a file)."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    import release_kit
+
+    return release_kit
 
 
 def build(release: str, out: Path, cache: Path, *, image: set, recorded_wheels: dict, flashinfer: str | None = None,
@@ -204,7 +205,7 @@ def build(release: str, out: Path, cache: Path, *, image: set, recorded_wheels: 
         old.unlink()
     wheel = download(f"sglang=={release}", cache)
     digest = recorded_wheels.get(wheel.name)
-    if digest is not None and sha256(wheel) != digest:
+    if digest is not None and _release_kit().sha256(wheel) != digest:
         raise SystemExit(f"{wheel}: sha256 differs from the recorded one")
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
@@ -243,9 +244,7 @@ def main(argv=None) -> int:
                         help="distributions the target image already has, one per line")
     parser.add_argument("--limit-mib", type=float, default=LIMIT / 2**20)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "tests"))
-    import release_kit
-
+    release_kit = _release_kit()
     image = {normalize(line.strip()) for line in args.have.read_text().splitlines()
              if line.strip() and not line.startswith("#")}
     try:
