@@ -126,3 +126,25 @@ def test_a_budget_too_small_for_one_page_is_refused_by_the_staging_area():
     host = torch.empty((64, 4, 1, 576), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="holds no token"):
         staging.PageStaging([host], budget_bytes=1024, device="cuda", device_rows=64, gather=None)
+
+
+def test_a_backup_captured_into_a_cuda_graph_takes_the_row_copies_and_replays():
+    """Staging reads the indices on the host, which a capture forbids: under capture the pool records the
+    row copies instead, and the graph's replay backs up bit for bit."""
+    gen, dp, pool = _pool("mla", 16, seed=7)
+    host, dev = _whole_pages(pool, gen, 4)
+    dev = dev.cuda()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        pool.backup_from_device_all_layer(dp, host, dev, "direct")  # warm-up outside the capture
+        stream.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            pool.backup_from_device_all_layer(dp, host, dev, "direct")
+    assert pool.last_direct_mode == "2d"
+    for t in dp.kv_buffer:
+        fill_random(t, gen)
+    graph.replay()
+    torch.cuda.synchronize()
+    for l, t in enumerate(dp.kv_buffer):
+        assert torch.equal(as_bytes(pool.kv_buffer)[host, l], as_bytes(t)[dev].cpu()), f"layer {l}"

@@ -78,7 +78,10 @@ class PageStaging:
     def backup(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
         """``host[host_indices[i]] = device[device_indices[i]]`` for every layer, staged. Returns False (and
         does nothing) where rows are better copied one by one: a negative index on either side (it skips its
-        pair, which a block copy cannot), or host slots in runs shorter than MIN_RUN on average."""
+        pair, which a block copy cannot), host slots in runs shorter than MIN_RUN on average, or a CUDA graph
+        being captured on the current stream."""
+        if torch.cuda.is_current_stream_capturing():
+            return False  # staging reads the indices on the host; the row copies record into a graph
         host = host_indices.to("cpu", torch.int64)
         count = host.numel()
         if count == 0:
