@@ -132,8 +132,7 @@ def test_a_backup_captured_into_a_cuda_graph_takes_the_row_copies_and_replays():
     """Staging reads the indices on the host, which a capture forbids: under capture the pool records the
     row copies instead, and the graph's replay backs up bit for bit."""
     gen, dp, pool = _pool("mla", 16, seed=7)
-    host, dev = _whole_pages(pool, gen, 4)
-    dev = dev.cuda()
+    host, dev = _whole_pages(pool, gen, 4)  # CPU indices: the copies are planned on the host during the capture
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
