@@ -6,6 +6,7 @@ import importlib.metadata as metadata
 import io
 import json
 import re
+import subprocess
 import sys
 import time
 import zipfile
@@ -273,7 +274,20 @@ def test_runner_counts_gpus(tmp_path):
     order = []
     runner.run([_job("two", 0.4, gpus=2), _job("one", 0.1)], parallel=4, gpus=2, deadline=start + 20,
                log_dir=tmp_path, poll=0.05, on_done=lambda o: order.append(o.name))
-    assert order == ["two", "one"]  # "one" waited for a free GPU
+    assert order == ["two", "one"]  # "one" waited: a job of several GPUs runs alone
+
+
+def test_runner_shares_one_gpu_between_small_engines(tmp_path):
+    start = time.monotonic()
+    runner.run([_job("a", 1.0), _job("b", 1.0), _job("c", 1.0)], parallel=3, gpus=1, deadline=start + 20,
+               log_dir=tmp_path, poll=0.05)
+    assert time.monotonic() - start < 2.5  # side by side on the one GPU, not one after another
+
+
+def test_runner_does_not_start_a_job_wider_than_the_machine(tmp_path):
+    outcomes = runner.run([_job("two", 0.1, gpus=2), _job("one", 0.1)], parallel=2, gpus=1,
+                          deadline=time.monotonic() + 20, log_dir=tmp_path, poll=0.05)
+    assert [o.status for o in outcomes] == ["not started", "done"] and "needs 2 GPUs" in outcomes[0].log
 
 
 # ---------------------------------------------------------------------------
@@ -359,17 +373,21 @@ def test_ttft_table_puts_the_pcie_floor_beside_each_mode():
 
     rows = summary.ttft_table([rec("upstream", 40.0), rec("plugin", 20.0)], models.kv_row_bytes("mla-kv")["token"])
     assert rows == [{"length": 8192, "background": False, "floor_ms": 10.47, "host_ms_upstream": 40.0,
-                     "device_ms_upstream": 3.0, "host_rounds_upstream": 5, "host_ms_plugin": 20.0,
-                     "device_ms_plugin": 3.0, "host_rounds_plugin": 5}]
-    assert "| 8192 | no | 10.47 | 3.0 | 40.0 | 20.0 | None |" in summary.markdown({"configurations": []}, rows)
+                     "device_ms_upstream": 3.0, "cold_ms_upstream": None, "host_rounds_upstream": 5,
+                     "host_ms_plugin": 20.0, "device_ms_plugin": 3.0, "cold_ms_plugin": None, "host_rounds_plugin": 5}]
+    text = summary.markdown({"configurations": []}, rows)
+    assert "| 8192 | no | 10.47 | upstream (sgl-kernel) | None | 3.0 | 40.0 | 37.0 |" in text
+    assert "| 8192 | no | 10.47 | plugin | None | 3.0 | 20.0 | 17.0 |" in text and "copy engines |" not in text
 
 
 def test_summarize_ttft_keeps_only_real_hits():
     rows = [{"length": 2048, "round": r, "background": False,
              "host": {"ttft_s": 0.01 * (r + 1), "host_hit": 2048 if r < 2 else 0, "device_hit": 0},
-             "device": {"ttft_s": 0.002, "host_hit": 0, "device_hit": 2048}} for r in range(3)]
+             "device": {"ttft_s": 0.002, "host_hit": 0, "device_hit": 2048},
+             "cold": {"ttft_s": 0.1 * (r + 1), "cached": 64 if r == 2 else 0}} for r in range(3)]
     assert engine_cell.summarize_ttft(rows) == [{"length": 2048, "background": False, "host_hit_ms": 15.0,
-                                                  "device_hit_ms": 2.0, "host_rounds": 2, "rounds": 3}]
+                                                  "device_hit_ms": 2.0, "cold_ms": 150.0, "host_rounds": 2,
+                                                  "rounds": 3}]
 
 
 # ---------------------------------------------------------------------------
@@ -592,3 +610,14 @@ def test_main_runs_smoke_end_to_end_with_a_stand_in_engine(tmp_path):
         names = tar.getnames()
     assert "smoke-cells/0.0.0-mla-tiny-kernel-page_first-plugin.json" in names
     assert "sglang-hicache-jit: sglang" in (out / "smoke-summary.md").read_text()
+
+
+def test_the_carry_limit_is_what_the_checkout_leaves_of_a_call(tmp_path):
+    from sglang_server import carry
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "big").write_bytes(b"x" * 3 * 2**20)
+    (tmp_path / ".gitignore").write_text("ignored\n")
+    (tmp_path / "ignored").write_bytes(b"x" * 5 * 2**20)  # does not travel
+    assert carry.default_limit(tmp_path) == carry.CALL - 3 * 2**20 - len("ignored\n") - carry.MARGIN
+    assert carry.default_limit(tmp_path / "not-a-checkout") == carry.LIMIT

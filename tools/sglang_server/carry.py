@@ -16,8 +16,10 @@ Written into one folder (``python3 tools/sglang_carry.py --server 0.5.17 -o /tmp
   pinned sglang-kernel) or **unofficial** (cross-pinned: a release whose pinned sglang-kernel does not
   load on the image's torch, run on sglang-kernel 0.4.5 with ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1``).
 
-A device call carries 64 MiB with the repository (about 5 MB), so ``build`` refuses a carry over
-``LIMIT``. ``tools/gpu_server.sh`` installs it there.
+A device call carries 64 MiB with the repository (about 5 MB), so ``build`` refuses a carry over what
+the checkout leaves, less 1 MiB (``default_limit``). 0.5.19 with its own flashinfer pin makes 59.1 MiB:
+beside a 4.7 MB checkout that is 0.4 MB short of the call's limit, so it takes ``--limit-mib 60`` (as the
+2026-12-04 server run did). ``tools/gpu_server.sh`` installs it there.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -33,7 +36,27 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-LIMIT = 58 * 2**20  # 64 MiB per call, less the repository and room to grow
+CALL = 64 * 2**20  # what one device call carries: the repository's files and the carry together
+LIMIT = 58 * 2**20  # outside a git checkout: the call less a repository of up to 6 MiB
+MARGIN = 2**20  # room for the files a session adds before its next call
+
+
+def default_limit(root: Path = ROOT) -> int:
+    """The most a carry may hold: a call's 64 MiB less the files of this checkout that travel with it
+    (tracked and untracked-not-ignored, as ``git ls-files`` lists them) and ``MARGIN``; ``LIMIT`` where
+    git cannot say."""
+    try:
+        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard"], capture_output=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return LIMIT
+    size = 0
+    for name in filter(None, listed.split(b"\0")):
+        try:
+            size += (root / os.fsdecode(name)).lstat().st_size
+        except OSError:  # listed but gone (deleted, not yet committed)
+            continue
+    return CALL - size - MARGIN
 KERNEL = "0.4.5"  # the sglang-kernel whose libraries load on the image's torch 2.11
 PYTHON = "3.12"
 
@@ -242,7 +265,8 @@ def main(argv=None) -> int:
     parser.add_argument("--flashinfer", help="carry this flashinfer-python instead of the release's pin")
     parser.add_argument("--have", type=Path, default=ROOT / "tools" / "gpu_image_packages.txt",
                         help="distributions the target image already has, one per line")
-    parser.add_argument("--limit-mib", type=float, default=LIMIT / 2**20)
+    parser.add_argument("--limit-mib", type=float, default=None,
+                        help="most MiB the carry may hold (default: 64 MiB less this checkout's files and 1 MiB)")
     args = parser.parse_args(argv)
     release_kit = _release_kit()
     image = {normalize(line.strip()) for line in args.have.read_text().splitlines()
@@ -254,7 +278,8 @@ def main(argv=None) -> int:
         print(f"sglang {args.release} is not recorded (tests/sglang_data): its wheel's sha256 is not checked")
     out = args.out or Path(f"/tmp/srvcarry-{args.release}")
     facts = build(args.release, out, release_kit.cache_root() / "wheels", image=image, recorded_wheels=recorded,
-                  flashinfer=args.flashinfer, limit=int(args.limit_mib * 2**20))
+                  flashinfer=args.flashinfer,
+                  limit=default_limit() if args.limit_mib is None else int(args.limit_mib * 2**20))
     print(f"{out}: {facts['bytes'] / 2**20:.1f} MiB; {facts['label']}")
     return 0
 

@@ -37,7 +37,7 @@ LOGGING = {"version": 1, "disable_existing_loggers": False,
            "handlers": {"h": {"class": "logging.StreamHandler", "formatter": "f", "stream": "ext://sys.stderr"}},
            "root": {"level": "INFO", "handlers": ["h"]}}
 TIMEOUT = {"correctness": 330.0, "ttft": 480.0}
-EXPECT = {"correctness": 100.0, "ttft": 150.0}
+EXPECT = {"correctness": 100.0, "ttft": 110.0}
 
 
 def prepare(work: Path, kinds) -> dict:
@@ -56,7 +56,7 @@ def jobs_for(cells, made: dict, cells_dir: Path, deadline_epoch: float, base_por
     for i, cell in enumerate(cells):
         spec = plan.spec(cell, model_dir=made[cell.model], vocab=models.VOCAB, port=base_port + 20 * i)
         if cell.workload == "ttft":
-            spec["deadline"] = deadline_epoch - 60  # leave time to shut down and write
+            spec["deadline"] = deadline_epoch - 25  # leave time to shut down and write
         argv = [sys.executable, str(HERE / "engine_cell.py"), "--spec", json.dumps(spec), "--out", str(cells_dir)]
         jobs.append(runner.Job(cell.name, argv, timeout=TIMEOUT[cell.workload], expect=EXPECT[cell.workload],
                                gpus=spec.get("gpus", 1)))
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         import torch
 
         args.gpus = max(1, torch.cuda.device_count())
-    parallel = args.parallel or {"smoke": 4, "matrix": 10, "ttft": 1, "cp2": 1}[args.mode]
+    parallel = args.parallel or {"smoke": 4, "matrix": 12, "ttft": 1, "cp2": 1}[args.mode]
     cells_dir = args.work / "cells"
     shutil.rmtree(cells_dir, ignore_errors=True)
     jobs = jobs_for(cells, prepared["models"], cells_dir, time.time() + args.budget_s)

@@ -5,7 +5,8 @@ timeout, or still running when the deadline comes, is stopped with its whole pro
 then SIGKILL): an SGLang engine's scheduler and detokenizer processes go with it. A job is not started
 when less than its expected duration is left before the deadline. Jobs at or past ``hold_after`` in the
 list wait until ``hold_s`` seconds have passed or a job has ended, so the first ones can fill the JIT
-caches the others reuse.
+caches the others reuse. Jobs of one GPU share the GPUs (small engines fit side by side); a job of several
+GPUs (``gpus`` > 1) runs alone, and is not started where the machine has fewer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class Job:
     env: dict = field(default_factory=dict)
     timeout: float = 300.0
     expect: float = 60.0  # seconds it is expected to take; not started with less left
-    gpus: int = 1
+    gpus: int = 1  # > 1: spans that many GPUs, runs alone
 
 
 @dataclass
@@ -92,8 +93,8 @@ def run(jobs: list, *, parallel: int, deadline: float, log_dir: Path, hold_after
             del running[index]
             if on_done is not None:
                 on_done(outcomes[index])
-        busy = sum(jobs[i].gpus for i in running)
-        while pending and len(running) < parallel:
+        alone = any(jobs[i].gpus > 1 for i in running)
+        while pending and len(running) < parallel and not alone:
             index, job = pending[0]
             if clock() + min(job.expect, job.timeout) > deadline:
                 for i, skipped in pending:
@@ -102,14 +103,18 @@ def run(jobs: list, *, parallel: int, deadline: float, log_dir: Path, hold_after
                 break
             if index >= hold_after and clock() - start < hold_s and running and not outcomes:
                 break
-            if busy + job.gpus > gpus:
+            if job.gpus > gpus:
+                pending.pop(0)
+                outcomes[index] = Outcome(job.name, "not started", log=f"needs {job.gpus} GPUs, {gpus} here")
+                continue
+            if job.gpus > 1 and running:
                 break
             pending.pop(0)
             log = open(log_dir / f"{job.name}.log", "w")
             proc = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**os.environ, **job.env}, preexec_fn=_die_with_parent)
             running[index] = (proc, clock(), log)
-            busy += job.gpus
+            alone = job.gpus > 1
         if pending or running:
             time.sleep(poll)
     return [outcomes[i] for i in range(len(jobs))]
