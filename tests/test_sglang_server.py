@@ -621,3 +621,15 @@ def test_the_carry_limit_is_what_the_checkout_leaves_of_a_call(tmp_path):
     (tmp_path / "ignored").write_bytes(b"x" * 5 * 2**20)  # does not travel
     assert carry.default_limit(tmp_path) == carry.CALL - 3 * 2**20 - len("ignored\n") - carry.MARGIN
     assert carry.default_limit(tmp_path / "not-a-checkout") == carry.LIMIT
+
+
+def test_select_takes_alternatives_and_leaves_out_what_ran():
+    cells = plan.matrix("0.5.19")
+    rest = plan.select(cells, skip="mla-tiny-kernel-page_first-")
+    assert len(rest) == len(cells) - 5  # upstream, plugin, plugin-nojit, control, control-plugin
+    assert not any(c.name.startswith("0.5.19-mla-tiny-kernel-page_first-") for c in rest)
+    two = plan.select(cells, only="mha-tiny-direct-layer_first,mla-tiny-kernel-page_first_direct")
+    assert sorted(c.name for c in two) == sorted(
+        [f"0.5.19-mha-tiny-direct-layer_first-{m}" for m in plan.EQUAL_MODES] +
+        ["0.5.19-mla-tiny-kernel-page_first_direct-plugin"])
+    assert plan.select(cells) == cells

@@ -10,7 +10,7 @@
 # every server module imports (seconds, all failures at once), builds this package's kernel, then runs
 # tools/sglang_server/main.py per mode, which leaves <mode>-summary.md, <mode>-summary.json and
 # <mode>-cells.tar.gz in $OUT (with imports.json: 7 files for two modes, within the 8 a call returns).
-# Extra arguments go to main.py (--budget-s, --parallel, --only, --dry-run). A cross-pinned carry's
+# Extra arguments go to main.py (--budget-s, --parallel, --only A,B, --skip A,B, --rounds N, --dry-run). A cross-pinned carry's
 # carry.json sets SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1, and its results are labelled unofficial.
 set -uo pipefail
 MODES=${1:?usage: gpu_server.sh MODE[:SECONDS][,MODE[:SECONDS]...] [main.py args]}; shift

@@ -104,14 +104,20 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=480.0, help="wall time for the engines, from now")
     parser.add_argument("--parallel", type=int, default=None, help="engines at once (default: mode's)")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs on this machine (default: torch's count)")
-    parser.add_argument("--only", default="", help="cells whose name contains this")
+    parser.add_argument("--only", default="", help="cells whose name contains one of these (comma-separated)")
+    parser.add_argument("--skip", default="", help="leave out cells whose name contains one of these (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=None, help="TTFT rounds per prefix length (default: the plan's 3)")
     parser.add_argument("--label", default="", help="put into the summary's title (e.g. 'unofficial')")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     started = time.monotonic()
     deadline = started + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
-    cells = [c for c in plan.PLANS[args.mode](args.release) if args.only in c.name]
+    cells = plan.select(plan.PLANS[args.mode](args.release), only=args.only, skip=args.skip)
+    if args.rounds is not None:
+        for cell in cells:
+            if cell.workload == "ttft":
+                cell.extra["rounds"] = args.rounds
     prepared = prepare(args.work, {c.model for c in cells})
     os.environ.update(prepared["env"])
     if args.dry_run:

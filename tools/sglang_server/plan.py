@@ -95,6 +95,15 @@ def cp2(release: str) -> list:
 PLANS = {"smoke": smoke, "matrix": matrix, "ttft": ttft, "cp2": cp2}
 
 
+def select(cells: list, *, only: str = "", skip: str = "") -> list:
+    """The cells whose name contains one of ``only``'s comma-separated parts (all where it is empty) and
+    none of ``skip``'s: a later call runs what an earlier one did not reach."""
+    wanted = [part for part in only.split(",") if part]
+    unwanted = [part for part in skip.split(",") if part]
+    return [c for c in cells if (not wanted or any(w in c.name for w in wanted))
+            and not any(u in c.name for u in unwanted)]
+
+
 def effective(io_backend: str, layout: str) -> tuple:
     """What SGLang's server arguments make of a requested pair (0.5.17-0.5.23 agree)."""
     return REWRITTEN.get((io_backend, layout), (io_backend, layout))
