@@ -17,9 +17,9 @@ Written into one folder (``python3 tools/sglang_carry.py --server 0.5.17 -o /tmp
   load on the image's torch, run on sglang-kernel 0.4.5 with ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1``).
 
 A device call carries 64 MiB with the repository (about 5 MB), so ``build`` refuses a carry over what
-the checkout leaves, less 1 MiB (``default_limit``). 0.5.19 with its own flashinfer pin makes 59.1 MiB:
-beside a 4.7 MB checkout that is 0.4 MB short of the call's limit, so it takes ``--limit-mib 60`` (as the
-2026-12-04 server run did). ``tools/gpu_server.sh`` installs it there.
+the checkout leaves, less 1 MiB (``default_limit``): 0.5.17 makes 53.9 MiB, 0.5.19 with its own
+flashinfer pin 58.2 MiB, 0.5.23 with ``--flashinfer 0.6.15.post1`` 55.8 MiB. ``tools/gpu_server.sh``
+installs it there.
 """
 
 from __future__ import annotations
@@ -84,6 +84,17 @@ IMAGE_STACK = {"torch", "triton", "torchvision", "torchaudio", "sglang-kernel", 
 
 _TRIM_SGLANG = re.compile(r"^sglang/(multimodal_gen|benchmark)/|/_core\.cpython-[^/]*\.so$"
                           r"|^sglang/srt/rust_extensions/_(server|grpc|multimodal)\.cpython-[^/]*\.so$")
+# A CPython extension built for another interpreter cannot be imported by the target's (SGLang's wheels
+# are tagged cp311 and hold cpython-311 Rust extensions, 11.7 MB in 0.5.23; the image runs 3.12): its
+# importer falls back or the module is not on the server path, and the carry need not hold it.
+_FOREIGN_EXTENSION = re.compile(r"\.cpython-(\d+)-[^/]*\.so$")
+
+
+def _keep_in_sglang(name: str, python: str = PYTHON) -> bool:
+    if _TRIM_SGLANG.search(name):
+        return False
+    foreign = _FOREIGN_EXTENSION.search(name)
+    return foreign is None or foreign.group(1) == python.replace(".", "")
 _KEEP_KERNEL = re.compile(r"^(sgl_kernel/(?!sm100/)[^/]*\.py|sgl_kernel/(?!sm100/).*/[^/]*\.py|sgl_kernel/sm90/"
                           r"common_ops\.[^/]*so|sgl_kernel/spatial_ops\.[^/]*so|triton_kernels/.*|"
                           r"sglang_kernel-[^/]*\.dist-info/.*)$")
@@ -234,7 +245,7 @@ def build(release: str, out: Path, cache: Path, *, image: set, recorded_wheels: 
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         pins = release_pins(z.read(meta).decode())
     facts = route(release, pins.get("sglang-kernel"))
-    (out / f"sglang-{release}.tar.gz").write_bytes(trim_zip(wheel, lambda n: not _TRIM_SGLANG.search(n)))
+    (out / f"sglang-{release}.tar.gz").write_bytes(trim_zip(wheel, _keep_in_sglang))
     kernel = download(f"sglang-kernel=={KERNEL}", cache)
     (out / f"sgl_kernel-{KERNEL}.tar.gz").write_bytes(trim_zip(kernel, lambda n: bool(_KEEP_KERNEL.match(n))))
     wheels = wheel_plan(pins, image, flashinfer)
