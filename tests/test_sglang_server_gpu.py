@@ -44,6 +44,10 @@ def test_real_servers_serve_the_same_bytes(tmp_path, mode):
                            release, "--out", str(out), "--work", str(tmp_path / "work"),
                            "--budget-s", os.environ.get("SGLANG_SERVER_BUDGET_S", "900")],
                           capture_output=True, text=True, timeout=1200)
-    result = json.loads((out / "summary.json").read_text())
+    summary = out / f"{mode}-summary.json"
+    assert summary.is_file(), f"main.py wrote no {summary.name} (rc {proc.returncode}):\n" + \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(summary.read_text())
     failing = [v for v in result["configurations"] if v["verdict"] != "pass"]
+    assert result["configurations"], "no configuration finished: " + proc.stdout[-3000:]
     assert result["passed"], json.dumps(failing, indent=1)[:6000] + proc.stdout[-2000:]
