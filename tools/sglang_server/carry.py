@@ -39,24 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 CALL = 64 * 2**20  # what one device call carries: the repository's files and the carry together
 LIMIT = 58 * 2**20  # outside a git checkout: the call less a repository of up to 6 MiB
 MARGIN = 2**20  # room for the files a session adds before its next call
-
-
-def default_limit(root: Path = ROOT) -> int:
-    """The most a carry may hold: a call's 64 MiB less the files of this checkout that travel with it
-    (tracked and untracked-not-ignored, as ``git ls-files`` lists them) and ``MARGIN``; ``LIMIT`` where
-    git cannot say."""
-    try:
-        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
-                                 "--exclude-standard"], capture_output=True, check=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return LIMIT
-    size = 0
-    for name in filter(None, listed.split(b"\0")):
-        try:
-            size += (root / os.fsdecode(name)).lstat().st_size
-        except OSError:  # listed but gone (deleted, not yet committed)
-            continue
-    return CALL - size - MARGIN
 KERNEL = "0.4.5"  # the sglang-kernel whose libraries load on the image's torch 2.11
 PYTHON = "3.12"
 
@@ -88,13 +70,6 @@ _TRIM_SGLANG = re.compile(r"^sglang/(multimodal_gen|benchmark)/|/_core\.cpython-
 # are tagged cp311 and hold cpython-311 Rust extensions, 11.7 MB in 0.5.23; the image runs 3.12): its
 # importer falls back or the module is not on the server path, and the carry need not hold it.
 _FOREIGN_EXTENSION = re.compile(r"\.cpython-(\d+)-[^/]*\.so$")
-
-
-def _keep_in_sglang(name: str, python: str = PYTHON) -> bool:
-    if _TRIM_SGLANG.search(name):
-        return False
-    foreign = _FOREIGN_EXTENSION.search(name)
-    return foreign is None or foreign.group(1) == python.replace(".", "")
 _KEEP_KERNEL = re.compile(r"^(sgl_kernel/(?!sm100/)[^/]*\.py|sgl_kernel/(?!sm100/).*/[^/]*\.py|sgl_kernel/sm90/"
                           r"common_ops\.[^/]*so|sgl_kernel/spatial_ops\.[^/]*so|triton_kernels/.*|"
                           r"sglang_kernel-[^/]*\.dist-info/.*)$")
@@ -106,6 +81,31 @@ _KEEP_KERNEL = re.compile(r"^(sgl_kernel/(?!sm100/)[^/]*\.py|sgl_kernel/(?!sm100
 _TRIM_WHEEL = {"xgrammar": re.compile(r"^xgrammar/lib/.*\.a$"),
                "transformers": re.compile(r"^transformers/models/(?!(auto|llama|deepseek_v3|qwen2|qwen3)/)[^/]+/"
                                           r"(modeling|modular|convert)_[^/]*\.py$")}
+
+
+def default_limit(root: Path = ROOT) -> int:
+    """The most a carry may hold: a call's 64 MiB less the files of this checkout that travel with it
+    (tracked and untracked-not-ignored, as ``git ls-files`` lists them) and ``MARGIN``; ``LIMIT`` where
+    git cannot say."""
+    try:
+        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard"], capture_output=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return LIMIT
+    size = 0
+    for name in filter(None, listed.split(b"\0")):
+        try:
+            size += (root / os.fsdecode(name)).lstat().st_size
+        except OSError:  # listed but gone (deleted, not yet committed)
+            continue
+    return CALL - size - MARGIN
+
+
+def _keep_in_sglang(name: str, python: str = PYTHON) -> bool:
+    if _TRIM_SGLANG.search(name):
+        return False
+    foreign = _FOREIGN_EXTENSION.search(name)
+    return foreign is None or foreign.group(1) == python.replace(".", "")
 
 
 def normalize(name: str) -> str:
