@@ -12,9 +12,11 @@ Nothing here ever reaches a GPU: CPU-index uploads are stubbed by
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
+import shutil
 import subprocess
 import tempfile
 import types
@@ -112,6 +114,8 @@ def noop_library() -> ctypes.CDLL:
     call returns a new handle (ops sets argtypes on the handle's functions)."""
     if not _noop_path:
         folder = Path(tempfile.mkdtemp(prefix="hicache-noop-"))
+        # Once per process; the handle stays open until exit, so the folder goes then, not after the test.
+        atexit.register(shutil.rmtree, folder, True)
         (folder / "noop.c").write_text(_NOOP_SOURCE)
         subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(folder / "noop.so"), str(folder / "noop.c")],
                        check=True)
