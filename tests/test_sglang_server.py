@@ -532,6 +532,24 @@ def test_server_imports_reports_every_missing_module_at_once():
     assert set(result["failed"]) == {"no_such_module_h29", "also_missing_h29.sub"}
 
 
+def test_server_imports_takes_the_name_a_module_has_in_the_installed_release():
+    # 0.5.23 folded hiradix_cache into unified_radix_cache: the preflight must not call that release broken.
+    from sglang_server import server_imports
+
+    result = server_imports.check((("renamed_away_h29.old", "json.decoder"),))
+    assert result["ok"], result["failed"]
+    # Neither name present: the failure names the newest one.
+    result = server_imports.check((("gone_h29.old", "gone_h29.new"),))
+    assert list(result["failed"]) == ["gone_h29.new"]
+
+
+def test_server_imports_does_not_call_an_installed_package_missing_for_a_lacking_submodule():
+    from sglang_server import server_imports
+
+    result = server_imports.check(("json.no_such_submodule_h29",))
+    assert not result["ok"] and result["missing"] == []
+
+
 # ---------------------------------------------------------------------------
 # main.py end to end, with a stand-in for sglang.Engine (the real one runs on the GPU machine).
 
