@@ -252,7 +252,10 @@ class _FakeCudaTensor:
 
 def test_auto_policy_is_one_function():
     assert host_pool.choose_io_backend(True, "load") == "kernel"
-    assert host_pool.choose_io_backend(True, "backup") == "direct"  # copy engines spare the compute SMs
+    assert host_pool.choose_io_backend(True, "backup") == "direct"  # staged: copy engines spare the compute SMs
+    assert host_pool.choose_io_backend(True, "backup", layout="page_first_direct") == "direct"  # staged too
+    assert host_pool.choose_io_backend(True, "backup", layout="layer_first") == "kernel"  # copies of one page each
+    assert host_pool.choose_io_backend(False, "backup", layout="layer_first") == "direct"
     assert host_pool.choose_io_backend(False, "load") == "direct"
     with pytest.raises(ValueError, match="operation"):
         host_pool.choose_io_backend(True, "sideways")
@@ -260,10 +263,10 @@ def test_auto_policy_is_one_function():
 
 def test_auto_sends_host_indexed_loads_of_long_copies_to_the_copy_engines():
     long = {"copy_bytes": host_pool.DIRECT_LOAD_MIN_COPY_BYTES}
-    assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=True) == "direct"
+    assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=True, flat_batch=True) == "direct"
     assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=False) == "kernel"  # no host sync
     short = {"copy_bytes": host_pool.DIRECT_LOAD_MIN_COPY_BYTES - 4}
-    assert host_pool.choose_io_backend(True, "load", **short, indices_on_host=True) == "kernel"
+    assert host_pool.choose_io_backend(True, "load", **short, indices_on_host=True, flat_batch=True) == "kernel"
     assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=True, flat_batch=False) == "kernel"
 
 
@@ -285,7 +288,8 @@ def test_auto_load_path_follows_the_layouts_copy_size(layout, page, copy_rows, m
     monkeypatch.setattr(host_pool.direct, "driver_batch", lambda: None)
     assert pool._path("auto", "load", torch.zeros(1024, dtype=torch.int64)) == "kernel"
     assert pool._path("auto", "load", _FakeCudaTensor()) == "kernel"
-    assert pool._path("auto", "backup") == "direct"
+    # Backups: staged where host pages are contiguous across layers, the kernel for layer_first.
+    assert pool._path("auto", "backup") == ("kernel" if layout == "layer_first" else "direct")
 
 
 # ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""page_first backups through the device staging area (transfer/staging.py), on a real GPU (marked ``gpu``).
+"""page_first and page_first_direct backups through the device staging area (transfer/staging.py), on a real GPU (marked ``gpu``).
 
 Every check compares whole host buffers bit for bit, so a page written where it should not be (or a
 stale staged page) fails the test, not only a missing one. The budget is set small so that a backup
@@ -13,18 +13,21 @@ import torch
 from sglang_hicache_jit import ops
 from sglang_hicache_jit.transfer import staging
 
-from test_host_pool import (as_bytes, device_caches, fill_random, host_caches, make_device_pool, make_host_pool,
-                            set_host_rows, shuffle_allocator)
+from test_host_pool import (as_bytes, device_caches, fill_random, get_host_rows, host_caches, make_device_pool,
+                            make_host_pool, set_host_rows, shuffle_allocator)
 
 pytestmark = pytest.mark.gpu
 
 LAYERS, SLOTS = 4, 512
 
 
-def _pool(kind, page, *, sharded=False, gather="kernel", chunk_pages=1, seed=0):
+LAYOUTS = ("page_first", "page_first_direct")
+
+
+def _pool(kind, page, *, sharded=False, gather="kernel", chunk_pages=1, seed=0, layout="page_first"):
     gen = torch.Generator().manual_seed(seed)
     dp = make_device_pool(kind, 1152, gen, device="cuda", sharded=sharded, slots=SLOTS)
-    pool = make_host_pool(dp, size=1024, page_size=page, layout="page_first")
+    pool = make_host_pool(dp, size=1024, page_size=page, layout=layout)
     if gather == "torch":  # the gather the pool takes where the JIT kernel is unavailable
         pool.transfer_path = "direct"
     pool.staging_bytes = 2 * chunk_pages * page * pool.layer_num * pool.row_bytes * pool.num_caches
@@ -41,7 +44,7 @@ def _backup_and_check(gen, dp, pool, host, dev):
     expected = [as_bytes(b).clone() for b in host_caches(pool)]
     for c, layers in enumerate(device_caches(dp)):
         for l in range(start, end):
-            set_host_rows(expected[c], "page_first", pool.page_size, l - start, kh, as_bytes(layers[l]).cpu()[kd])
+            set_host_rows(expected[c], pool.layout, pool.page_size, l - start, kh, as_bytes(layers[l]).cpu()[kd])
     pool.backup_from_device_all_layer(dp, host, dev, "direct")
     torch.cuda.synchronize()
     ops.check_errors()
@@ -60,9 +63,10 @@ def _whole_pages(pool, gen, pages):
 @pytest.mark.parametrize("gather", ["kernel", "torch"])
 @pytest.mark.parametrize("kind", ["mla", "mha"])
 @pytest.mark.parametrize("page", [16, 64])
-def test_staged_backups_are_bit_exact(page, kind, gather, chunk_pages):
-    gen, dp, pool = _pool(kind, page, gather=gather, chunk_pages=chunk_pages,
-                          seed=zlib.crc32(repr((page, kind, gather, chunk_pages)).encode()))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_staged_backups_are_bit_exact(layout, page, kind, gather, chunk_pages):
+    gen, dp, pool = _pool(kind, page, gather=gather, chunk_pages=chunk_pages, layout=layout,
+                          seed=zlib.crc32(repr((layout, page, kind, gather, chunk_pages)).encode()))
     for pages, dtype, where in ((5, torch.int64, "cpu"), (7, torch.int32, "cuda"), (1, torch.int64, "cuda")):
         host, dev = _whole_pages(pool, gen, pages)
         _backup_and_check(gen, dp, pool, host.to(dtype), dev.to(dtype).to(where))
@@ -70,15 +74,17 @@ def test_staged_backups_are_bit_exact(page, kind, gather, chunk_pages):
         pool.free(host)
 
 
-def test_sharded_pools_stage_their_owned_layers():
-    gen, dp, pool = _pool("mla", 16, sharded=True, chunk_pages=2, seed=3)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sharded_pools_stage_their_owned_layers(layout):
+    gen, dp, pool = _pool("mla", 16, sharded=True, chunk_pages=2, seed=3, layout=layout)
     host, dev = _whole_pages(pool, gen, 6)
     _backup_and_check(gen, dp, pool, host, dev.cuda())
     assert pool.last_direct_mode == "staged"
 
 
-def test_scattered_or_padded_rows_take_the_row_copies():
-    gen, dp, pool = _pool("mla", 16, seed=4)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_scattered_or_padded_rows_take_the_row_copies(layout):
+    gen, dp, pool = _pool("mla", 16, seed=4, layout=layout)
     host, dev = _whole_pages(pool, gen, 3)
     _backup_and_check(gen, dp, pool, host[::2], dev[::2])  # every other slot: runs of one token
     assert pool.last_direct_mode == "batch"
@@ -124,7 +130,7 @@ def test_out_of_range_indices_raise_before_anything_is_copied():
 
 def test_a_budget_too_small_for_one_page_is_refused_by_the_staging_area():
     host = torch.empty((64, 4, 1, 576), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="holds no token"):
+    with pytest.raises(ValueError, match="holds no host block"):
         staging.PageStaging([host], budget_bytes=1024, device="cuda", device_rows=64, gather=None)
 
 
@@ -147,3 +153,58 @@ def test_a_backup_captured_into_a_cuda_graph_takes_the_row_copies_and_replays():
     torch.cuda.synchronize()
     for l, t in enumerate(dp.kv_buffer):
         assert torch.equal(as_bytes(pool.kv_buffer)[host, l], as_bytes(t)[dev].cpu()), f"layer {l}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_page_first_direct_backup_of_pages_out_of_order_or_partial_takes_the_row_copies(layout):
+    """Staging moves whole host blocks: page_first_direct host slots that are not whole aligned pages (a page
+    cut short, or its tokens out of order) must go row by row, and still land bit for bit."""
+    gen, dp, pool = _pool("mla", 16, seed=8, layout=layout)
+    host, dev = _whole_pages(pool, gen, 4)
+    cut = slice(0, 4 * 16 - 3)  # the last page is not whole
+    _backup_and_check(gen, dp, pool, host[cut], dev[cut])
+    if layout == "page_first_direct":
+        assert pool.last_direct_mode != "staged"
+    swapped = host.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]  # page 0's first two tokens out of order
+    _backup_and_check(gen, dp, pool, swapped, dev)
+    if layout == "page_first_direct":
+        assert pool.last_direct_mode != "staged"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_threads_on_two_streams_share_one_staging_area_without_loss(layout):
+    """Two threads, each on its own stream, make 12 staged backups each through the same pool (one staging
+    area, chunks of one page so both buffers are reused all the time). Every host page must end up holding
+    the device rows its backup named."""
+    import threading
+
+    gen, dp, pool = _pool("mla", 16, chunk_pages=1, seed=9, layout=layout)
+    jobs = [[_whole_pages(pool, gen, 3) for _ in range(12)] for _ in range(2)]
+    errors = []
+
+    def worker(backups):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for host, dev in backups:
+                    pool.backup_from_device_all_layer(dp, host, dev.cuda(), "direct")
+                    assert pool.last_direct_mode == "staged"
+            stream.synchronize()
+        except BaseException as exc:  # surfaced in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(b,)) for b in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    ops.check_errors()
+    assert not errors, errors
+    for backups in jobs:
+        for host, dev in backups:
+            for l, layer in enumerate(dp.kv_buffer):
+                got = get_host_rows(as_bytes(pool.kv_buffer), pool.layout, pool.page_size, l, host)
+                assert torch.equal(got, as_bytes(layer)[dev].cpu()), f"layer {l}"
+

@@ -53,6 +53,8 @@ WORKLOADS = {
                           "for one call."),
     "copy-sizes": Workload("copy_engine", "GPU", "What copy size do the batched copy engines need to reach the "
                            "link, each direction and both at once, beside the contiguous copy and the kernel?"),
+    "small-copies": Workload("small_copies", "GPU", "Below what copy size does a copy kernel with 1-2 CTAs beat "
+                             "the copy engines' batched call, each direction?"),
     "loader": Workload("loader", "CPU", "Cold build, its breakdown, concurrent cold starts, warm load, bundle "
                        "import and prebuilt load of the kernels, named arch (no GPU)."),
     "warm-ab": Workload("loader", "CPU", "Which of two installations loads faster from its warm cache (fresh "

@@ -87,22 +87,25 @@ DIRECT_LOAD_MIN_COPY_BYTES = 16 * 1024
 
 
 def choose_io_backend(kernel_available: bool, operation: str, *, copy_bytes: int = 0,
-                      indices_on_host: bool = False, flat_batch: bool = True) -> str:
+                      indices_on_host: bool = False, flat_batch: bool = False, layout: str = "page_first") -> str:
     """The ``io_backend="auto"`` policy for ``operation`` ('load' or 'backup').
 
-    Backups, which are off the critical path, take the copy engines: beside a saturating bf16 matmul the
-    kernel's all-layer backup slows the matmul by 44-52%, the copy engines by 2-5% (and page_first backups
-    are staged, staging.py). Loads take the copy engines too when each copy (``copy_bytes``: one page of
-    one layer where the layout keeps it contiguous, else one row) is at least DIRECT_LOAD_MIN_COPY_BYTES
-    and the indices are already on the host (the copy engines are planned on the CPU; GPU indices would cost
-    a host sync), and flat copies have the driver's batch call (``flat_batch``: those figures are its; through
-    cudaMemcpy3DBatchAsync each copy costs about 4.3 us more); otherwise the kernel. Pass io_backend="kernel"
-    for the fastest small loads on an idle GPU.
+    Backups into a layout whose host pages are contiguous across layers (page_first, page_first_direct)
+    take the copy engines through device staging (staging.py: a gather, then whole pages). layer_first
+    backups take the kernel where it works: the copy engines' batched call costs about 4.3 us per copy, so
+    a 64-token page of one layer per copy moved 0.40 of the link alone and 0.35 beside a saturating matmul,
+    against the kernel's 0.80-0.84 and 0.53-0.57 (at +7 to +11% matmul time; H200, tools/bench.py layouts).
+    Loads take the copy engines when each copy (``copy_bytes``: one page of one layer where the layout keeps
+    it contiguous, else one row) is at least DIRECT_LOAD_MIN_COPY_BYTES, the indices are already on the host
+    (the copy engines are planned on the CPU; GPU indices would cost a host sync) and ``flat_batch`` says
+    flat copies are cheap to submit; otherwise the kernel.
     """
     if operation not in ("load", "backup"):
         raise ValueError(f"operation must be 'load' or 'backup', got {operation!r}")
-    if not kernel_available or operation == "backup":
+    if not kernel_available:
         return "direct"
+    if operation == "backup":
+        return "kernel" if layout == "layer_first" else "direct"
     long = copy_bytes >= DIRECT_LOAD_MIN_COPY_BYTES
     return "direct" if long and indices_on_host and flat_batch else "kernel"
 
@@ -325,7 +328,8 @@ class HostKVPool:
             kernel = self.transfer_path == "kernel"
             return choose_io_backend(kernel, operation, copy_bytes=self.copy_bytes,
                                      indices_on_host=device_indices is not None and not device_indices.is_cuda,
-                                     flat_batch=kernel and operation == "load" and direct.driver_batch() is not None)
+                                     flat_batch=kernel and operation == "load" and direct.driver_batch() is not None,
+                                     layout=self.layout)
         raise ValueError(f"Unsupported IO backend: {io_backend!r} (choose one of {', '.join(IO_BACKENDS)})")
 
     def _layer(self, layer_id) -> int:
@@ -393,13 +397,14 @@ class HostKVPool:
         self._copy_direct(pairs, host_indices, device_indices, host_is_dst=True)
 
     def _staging(self, side: _DeviceSide):
-        """The device staging area for page_first backups (staging.py), made on first use; None where it does
-        not apply: another layout, one layer (its rows are already contiguous), no GPU, or no budget."""
+        """The device staging area for backups into a layout whose host pages are contiguous across layers
+        (page_first, page_first_direct; staging.py), made on first use; None where it does not apply:
+        layer_first, one layer (its rows are already contiguous), no GPU, or no budget."""
         if side.staging is False:
             return None
         if side.staging is None:
             side.staging = False
-            if (self.layout == "page_first" and self.layer_num > 1 and self.pin_memory
+            if (self.layout in ("page_first", "page_first_direct") and self.layer_num > 1 and self.pin_memory
                     and self.staging_bytes >= 2 * self.page_size * self.layer_num * self.row_bytes * self.num_caches):
                 # (a budget below two pages would copy a page in pieces: the row copies serve that as well)
                 from . import staging
@@ -410,7 +415,8 @@ class HostKVPool:
                           else staging.torch_gather(layers))
                 side.staging = staging.PageStaging(self._cache_buffers(), budget_bytes=self.staging_bytes,
                                                    device=layers[0][0].device, device_rows=layers[0][0].shape[0],
-                                                   gather=gather)
+                                                   gather=gather,
+                                                   page_size=self.page_size if self.layout == "page_first_direct" else 1)
         return side.staging or None
 
     def _host_layer_table(self):

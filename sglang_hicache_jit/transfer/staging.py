@@ -24,6 +24,7 @@ into again only after its copies are done; the caller's stream ends up behind al
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -42,44 +43,68 @@ GATHER_BLOCKS = 32
 
 
 class PageStaging:
-    """The staging area of one page_first host buffer (per cache) and the device pool backed up into it.
+    """The staging area of one page-contiguous host buffer (per cache) and the device pool backed up into it.
 
-    ``gather(buffers, slots, device_indices)`` fills staging rows ``slots`` of ``buffers`` (one
-    ``(rows, L, *row)`` device tensor per cache) with device rows ``device_indices`` of every layer, on the
-    current stream: the JIT kernel in one launch where it runs, else torch indexing (see gatherers below).
+    ``page_size`` names the host block a copy moves: 1 for ``page_first`` (a token's rows of every layer,
+    ``(slots, L, *row)``), the pool's page size for ``page_first_direct`` (a page's rows of every layer,
+    ``(pages, L, P, *row)``). A staging buffer has the host buffer's layout, so staged block j is host block
+    ``host_blocks[j]`` byte for byte. Inside a buffer, token t of layer l is row
+    ``l * P + (t // P) * L * P + t % P`` of the buffer's flat rows (``staged_rows``); for P = 1 that is token
+    t's layer-l row of a page_first buffer.
+
+    ``gather(b, views, rows, device_indices)`` writes device rows ``device_indices`` of every layer into
+    staging buffer ``b``: ``views[c][l]`` is layer l of cache c as flat rows starting at the layer's first row
+    (one row stride for every layer), and ``rows`` the staged row of each token in it. The JIT kernel does it
+    in one launch where it runs, else torch indexing (see gatherers below).
+
+    Thread-safe: SGLang backs up from its own thread while others may too; one backup's submission (the
+    gathers, the copies and the events that order them) is made under a lock, so a second backup, on any
+    stream, sees the first one's events and never gathers into a buffer whose copies are still queued.
     """
 
-    def __init__(self, host_caches: list, *, budget_bytes: int, device, device_rows: int, gather):
+    def __init__(self, host_caches: list, *, budget_bytes: int, device, device_rows: int, gather,
+                 page_size: int = 1):
         first = host_caches[0]
+        self.page = int(page_size)
         self.layers = first.shape[1]
-        self.host_slots = first.shape[0]
+        row_shape = first.shape[2:] if self.page == 1 else first.shape[3:]
+        if self.page > 1 and first.shape[2] != self.page:
+            raise ValueError(f"a page_first_direct host buffer of shape {tuple(first.shape)} does not hold pages "
+                             f"of {self.page} tokens")
+        self.host_blocks = first.shape[0]
         self.device_rows = device_rows
         self.device = torch.device(device)
         self.gather = gather
-        token_elems = self.layers * math.prod(first.shape[2:])
-        token_bytes = token_elems * first.element_size() * len(host_caches)
-        if budget_bytes < 2 * token_bytes:
-            raise ValueError(f"a staging budget of {budget_bytes} bytes holds no token of {token_bytes} bytes "
+        block_elems = self.layers * self.page * math.prod(row_shape)
+        block_bytes = block_elems * first.element_size() * len(host_caches)
+        if budget_bytes < 2 * block_bytes:
+            raise ValueError(f"a staging budget of {budget_bytes} bytes holds no host block of {block_bytes} bytes "
                              "in each of its two buffers")
         # Never more than the host buffer could send in one backup.
-        self.chunk_slots = min(budget_bytes // (2 * token_bytes), self.host_slots)
-        self.buffers = [[torch.empty((self.chunk_slots, *first.shape[1:]), dtype=first.dtype, device=self.device)
+        self.chunk_blocks = min(budget_bytes // (2 * block_bytes), self.host_blocks)
+        self.buffers = [[torch.empty((self.chunk_blocks, *first.shape[1:]), dtype=first.dtype, device=self.device)
                          for _ in host_caches] for _ in range(2)]
-        # A token's rows of every layer as one row: consecutive host slots are one flat block.
-        host_tokens = [direct.Rows(h.view(-1, token_elems), "host tokens") for h in host_caches]
-        self.pairs = [direct.Pairs([(host_tokens[c], direct.Rows(buf.view(-1, token_elems), "staged tokens"))
+        # A block (token or page) of every layer as one row: consecutive host blocks are one flat block.
+        host_blocks = [direct.Rows(h.view(-1, block_elems), "host blocks") for h in host_caches]
+        self.pairs = [direct.Pairs([(host_blocks[c], direct.Rows(buf.view(-1, block_elems), "staged blocks"))
                                     for c, buf in enumerate(bufs)]) for bufs in self.buffers]
-        self.slots = torch.arange(self.chunk_slots, device=self.device)
+        # Per buffer and cache, each layer as flat rows of one stride, as long as the last layer's.
+        layer_rows = (self.chunk_blocks - 1) * self.layers * self.page + self.page
+        self.views = [[[buf.view(-1, *row_shape)[l * self.page: l * self.page + layer_rows]
+                        for l in range(self.layers)] for buf in bufs] for bufs in self.buffers]
+        self.staged_rows = staged_rows(self.chunk_blocks * self.page, self.page, self.layers).to(self.device)
         self.side = torch.cuda.Stream(self.device)
         self.gathered = [torch.cuda.Event(), torch.cuda.Event()]
         self.copied = [torch.cuda.Event(), torch.cuda.Event()]
         self.used = [False, False]
+        self._lock = threading.Lock()
 
     def backup(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
         """``host[host_indices[i]] = device[device_indices[i]]`` for every layer, staged. Returns False (and
         does nothing) where rows are better copied one by one: a negative index on either side (it skips its
-        pair, which a block copy cannot), host slots in runs shorter than MIN_RUN on average, or a CUDA graph
-        being captured on the current stream."""
+        pair, which a block copy cannot), host slots in runs shorter than MIN_RUN tokens on average, for
+        ``page_first_direct`` host slots that are not whole aligned pages, or a CUDA graph being captured on
+        the current stream."""
         if torch.cuda.is_current_stream_capturing():
             return False  # staging reads the indices on the host; the row copies record into a graph
         host = host_indices.to("cpu", torch.int64)
@@ -89,10 +114,17 @@ class PageStaging:
         low, high = (int(v) for v in torch.aminmax(host))
         if low < 0:
             return False
-        if high >= self.host_slots:
+        if high >= self.host_blocks * self.page:
             raise TransferIndexError(f"host_indices holds index {high}, but the host pool has only "
-                                     f"{self.host_slots} slots")
-        runs = int((host[1:] - host[:-1] != 1).sum()) + 1
+                                     f"{self.host_blocks * self.page} slots")
+        if self.page == 1:
+            blocks = host
+        else:
+            starts = direct.whole_pages(host, self.page, aligned=True)
+            if starts is None:
+                return False
+            blocks = starts // self.page
+        runs = int((blocks[1:] - blocks[:-1] != 1).sum()) + 1
         if runs * MIN_RUN > count:
             return False
         low, high = (int(v) for v in torch.aminmax(device_indices))  # waits for the GPU when they live there
@@ -101,25 +133,38 @@ class PageStaging:
         if high >= self.device_rows:
             raise TransferIndexError(f"device_indices holds index {high}, but the device pool has only "
                                      f"{self.device_rows} slots")
+        with self._lock:
+            self._submit(blocks, device_indices)
+        return True
+
+    def _submit(self, blocks: torch.Tensor, device_indices: torch.Tensor) -> None:
         stream = torch.cuda.current_stream(self.device)
         self.side.wait_stream(stream)
         for b in (0, 1):  # an earlier backup's copies, maybe on another stream, may still read a buffer
             if self.used[b]:
                 self.side.wait_event(self.copied[b])
-        for k, first in enumerate(range(0, count, self.chunk_slots)):
+        for k, first in enumerate(range(0, blocks.numel(), self.chunk_blocks)):
             b = k % 2
-            n = min(self.chunk_slots, count - first)
+            n = min(self.chunk_blocks, blocks.numel() - first)
+            tokens = n * self.page
             with torch.cuda.stream(self.side):
                 if k >= 2:
                     self.side.wait_event(self.copied[b])
-                self.gather(b, self.buffers[b], self.slots[:n], device_indices[first:first + n])
+                self.gather(b, self.views[b], self.staged_rows[:tokens],
+                            device_indices[first * self.page: first * self.page + tokens])
                 self.gathered[b].record(self.side)
             stream.wait_event(self.gathered[b])
-            plan = direct.CopyPlan(self.pairs[b], direct.find_runs(host[first:first + n], torch.arange(n)))
+            plan = direct.CopyPlan(self.pairs[b], direct.find_runs(blocks[first:first + n], torch.arange(n)))
             plan.run(self.pairs[b])
             self.copied[b].record(stream)
             self.used[b] = True
-        return True
+
+
+def staged_rows(tokens: int, page: int, layers: int) -> torch.Tensor:
+    """Where each of ``tokens`` staged tokens sits in a layer's flat rows of a staging buffer whose blocks are
+    ``page`` tokens of ``layers`` layers: ``(t // page) * layers * page + t % page`` (int64, CPU)."""
+    t = torch.arange(tokens, dtype=torch.int64)
+    return (t // page) * (layers * page) + t % page
 
 
 # ---------------------------------------------------------------------------
@@ -131,13 +176,12 @@ def kernel_gather(source_table):
 
     tables: dict = {}
 
-    def gather(b, buffers, slots, device_indices):
+    def gather(b, views, rows, device_indices):
         table = tables.get(b)
         if table is None:
-            groups = [[buf[:, l] for l in range(buf.shape[1])] for buf in buffers]
-            table = tables[b] = ops.LayerTable(groups[0] if len(groups) == 1 else tuple(groups), name="staging",
+            table = tables[b] = ops.LayerTable(views[0] if len(views) == 1 else tuple(views), name="staging",
                                                written=True)
-        ops.transfer_all_layer(table, slots, source_table, device_indices, block_quota=GATHER_BLOCKS)
+        ops.transfer_all_layer(table, rows, source_table, device_indices, block_quota=GATHER_BLOCKS)
 
     return gather
 
@@ -148,14 +192,15 @@ def pointer_table_gather(source_tables: tuple, row_bytes: int):
 
     tables: dict = {}
 
-    def gather(b, buffers, slots, device_indices):
+    def gather(b, views, rows, device_indices):
         table = tables.get(b)
         if table is None:
-            table = tables[b] = tuple(torch.tensor([buf[:, l].data_ptr() for l in range(buf.shape[1])],
-                                                   dtype=torch.uint64, device=buf.device) for buf in buffers)
-        ops.transfer_pointer_tables(table if len(table) > 1 else table[0], slots,
+            table = tables[b] = tuple(torch.tensor([layer.data_ptr() for layer in layers], dtype=torch.uint64,
+                                                   device=layers[0].device) for layers in views)
+        first = views[0][0]
+        ops.transfer_pointer_tables(table if len(table) > 1 else table[0], rows,
                                     source_tables if len(source_tables) > 1 else source_tables[0], device_indices,
-                                    dst_stride_bytes=buffers[0].stride(0) * buffers[0].element_size(),
+                                    dst_stride_bytes=first.stride(0) * first.element_size(),
                                     src_stride_bytes=row_bytes, element_size=row_bytes, block_quota=GATHER_BLOCKS)
 
     return gather
@@ -165,11 +210,10 @@ def torch_gather(device_layers: list):
     """torch indexing, one launch per layer and cache (where the JIT kernel cannot run): ``device_layers``
     holds, per cache, the device layer tensors in host-layer order."""
 
-    def gather(b, buffers, slots, device_indices):
-        idx = device_indices.to(buffers[0].device, torch.int64, non_blocking=True)
-        n = idx.numel()
-        for buf, layers in zip(buffers, device_layers):
-            for l, layer in enumerate(layers):
-                buf[:n, l] = layer.index_select(0, idx)
+    def gather(b, views, rows, device_indices):
+        idx = device_indices.to(rows.device, torch.int64, non_blocking=True)
+        for layer_views, layers in zip(views, device_layers):
+            for view, layer in zip(layer_views, layers):
+                view.index_copy_(0, rows, layer.index_select(0, idx))
 
     return gather
