@@ -258,32 +258,32 @@ def test_auto_policy_is_one_function():
         host_pool.choose_io_backend(True, "sideways")
 
 
-def test_auto_sends_host_indexed_loads_of_long_copies_to_the_copy_engines():
-    long = {"copy_bytes": host_pool.DIRECT_LOAD_MIN_COPY_BYTES}
+def test_auto_sends_host_indexed_loads_of_long_copies_to_the_copy_engines_only_where_a_threshold_is_set(
+        monkeypatch):
+    assert host_pool.LOAD_ON_COPY_ENGINES_FROM is None  # the driver's batch call is gone: loads take the kernel
+    for on_host in (True, False):
+        assert host_pool.choose_io_backend(True, "load", copy_bytes=1 << 30, indices_on_host=on_host) == "kernel"
+    monkeypatch.setattr(host_pool, "LOAD_ON_COPY_ENGINES_FROM", 16 * 1024)
+    long, short = {"copy_bytes": 16 * 1024}, {"copy_bytes": 16 * 1024 - 4}
     assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=True) == "direct"
     assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=False) == "kernel"  # no host sync
-    short = {"copy_bytes": host_pool.DIRECT_LOAD_MIN_COPY_BYTES - 4}
     assert host_pool.choose_io_backend(True, "load", **short, indices_on_host=True) == "kernel"
-    assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=True, flat_batch=False) == "kernel"
 
 
 @pytest.mark.parametrize("layout, page, copy_rows", [("page_first_direct", 64, 64), ("layer_first", 64, 64),
                                                      ("page_first", 64, 1), ("page_first_direct", 8, 8)])
 def test_auto_load_path_follows_the_layouts_copy_size(layout, page, copy_rows, monkeypatch):
-    """What the 2026-12-04 H200 figures pin: a 64-token page of one 1152-B layer (72 KiB) is one copy in
-    page_first_direct and layer_first and goes to the copy engines; page_first copies single rows, and
-    8-token pages are 9 KiB copies: both stay on the kernel."""
+    """A 64-token page of one 1152-B layer (72 KiB) is one copy in page_first_direct and layer_first;
+    page_first copies single rows, and 8-token pages are 9 KiB copies. Loads stay on the kernel by default
+    (no threshold); with one set, the copy size decides."""
     device = MLADevicePool([torch.zeros((1024, 1, 576), dtype=torch.bfloat16) for _ in range(2)])
     pool = MLAHostKVPool(device, size=1024, page_size=page, layout=layout, pin_memory=False)
     assert pool.copy_bytes == copy_rows * 1152
     pool.transfer_path = "kernel"  # as on a GPU where the probe said yes
-    monkeypatch.setattr(host_pool.direct, "driver_batch", lambda: object())  # SGLANG_HICACHE_JIT_DRIVER_BATCH=1
+    assert pool._path("auto", "load", torch.zeros(1024, dtype=torch.int64)) == "kernel"
+    monkeypatch.setattr(host_pool, "LOAD_ON_COPY_ENGINES_FROM", 16 * 1024)
     expected = "direct" if copy_rows * 1152 >= 16 * 1024 else "kernel"
     assert pool._path("auto", "load", torch.zeros(1024, dtype=torch.int64)) == expected
-    # Without the driver's call flat copies cost ~4.3 us more each: the measured figures do not hold, so loads
-    # stay on the kernel.
-    monkeypatch.setattr(host_pool.direct, "driver_batch", lambda: None)
-    assert pool._path("auto", "load", torch.zeros(1024, dtype=torch.int64)) == "kernel"
     assert pool._path("auto", "load", _FakeCudaTensor()) == "kernel"
     assert pool._path("auto", "backup") == "direct"
 

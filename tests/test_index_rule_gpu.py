@@ -83,7 +83,7 @@ WRAPPING = {
 }
 
 
-@pytest.mark.parametrize("mode", ["auto", "batch", "batch3d", "2d"])
+@pytest.mark.parametrize("mode", ["auto", "batch", "2d"])
 @pytest.mark.parametrize("to_device", [True, False], ids=["h2d", "d2h"])
 @pytest.mark.parametrize("strided", [False, True], ids=["packed", "strided"])
 @pytest.mark.parametrize("case", WRAPPING, ids=list(WRAPPING))

@@ -32,7 +32,7 @@ def check_provider(name: str) -> None:
     except (ValueError, IndexError) as exc:
         raise ValueError(f"bad provider {name!r}: {exc}") from None
     raise ValueError(f"unknown provider {name!r} (ceiling, jit[-plain|-bulk|-resident][-qN][-rR][-wW][-aA], "
-                     "upstream[-reg|-tma][-qN], direct[-batch3d|-2d], torch-index, per-page)")
+                     "upstream[-reg|-tma][-qN], direct[-2d], torch-index, per-page)")
 
 
 def family(provider: str) -> str:
@@ -56,7 +56,7 @@ def _build_or_skip(provider, skipped: set, *args):
 
 
 # The copy engines (direct.py) by submission: 'direct' as the pools call it (auto), the others forced.
-DIRECT_PROVIDERS = {"direct": "auto", "direct-batch3d": "batch3d", "direct-2d": "2d"}
+DIRECT_PROVIDERS = {"direct": "auto", "direct-2d": "2d"}
 
 
 def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_idx, page_size, scratch):

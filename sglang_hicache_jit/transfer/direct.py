@@ -1,7 +1,7 @@
 """The direct path: row copies done by the GPU's copy engines, no kernels, no JIT.
 
 Why one long module: it is one path from index lists to copies: steps 1-3 below are pure functions,
-step 4 the ctypes bindings they feed (structs, cudart and libcuda look-up), and the plan's types are
+step 4 the ctypes bindings they feed (structs, the cudart look-up), and the plan's types are
 shared by both halves; nothing else uses the bindings.
 
 Every transfer is a list of ``(dst, src)`` row tensors (one pair per layer and
@@ -18,18 +18,19 @@ on either side skips its pair. The flow:
    fixed stride on each side, so a run is one 2-D copy (width = row bytes,
    pitch = slot stride, height = run length); when both strides equal the row
    size it is one flat copy of ``length * row`` bytes (cut at MAX_COPY_BYTES);
-4. execution: CUDA tensors -> the flat copies (packed runs: a page of a
-   ``page_first_direct`` or ``layer_first`` layer, consecutive pages merged)
-   in one driver ``cuMemcpyBatchAsync`` call, and the strided ones (rows of a
-   ``page_first`` layer) in one ``cudaMemcpy3DBatchAsync`` call (CUDA 12.8+);
-   one ``cudaMemcpy2DAsync`` per copy where the batch calls are missing, host
-   memory is pageable, or the stream is being captured into a CUDA graph.
+4. execution: CUDA tensors -> every copy of the transfer, flat (packed runs:
+   a page of a ``page_first_direct`` or ``layer_first`` layer, consecutive
+   pages merged) and strided (rows of a ``page_first`` layer) alike, in one
+   ``cudaMemcpy3DBatchAsync`` call (CUDA 12.8+); one ``cudaMemcpy2DAsync`` per
+   copy where the batch call is missing, host memory is pageable, or the
+   stream is being captured into a CUDA graph. The driver's
+   ``cuMemcpyBatchAsync`` is never called: on driver 580.159.04 it returned
+   wrong rows without an error and crashed the GPU (docs/troubleshooting.md).
    CPU tensors (no GPU) -> one tensor slice copy per run, so CI runs the same
    plan.
 
-The CUDA runtime is the ``libcudart`` torch already loaded, and the driver
-``libcuda``, both called through ctypes on the current stream of the
-tensors' device. Steps 1-3 are pure functions, testable without a GPU.
+The CUDA runtime is the ``libcudart`` torch already loaded, called through
+ctypes on the current stream of the tensors' device. Steps 1-3 are pure functions, testable without a GPU.
 """
 
 from __future__ import annotations
@@ -43,16 +44,14 @@ import threading
 
 import torch
 
-from .. import settings
 from .bounds import PAST_THE_END, check_rows
 from .checks import check_index_tensor
 
 log = logging.getLogger("sglang_hicache_jit.direct")  # its name from before the move to a subpackage (issue 20)
 
-# 'batch': flat copies through the driver's batch call, strided ones through the runtime's 3-D one;
-# 'batch3d': everything through the 3-D call (the path before the driver call, kept as a same-run
-# baseline); '2d': one cudaMemcpy2DAsync per copy; 'auto': 'batch' where it can run.
-MODES = ("auto", "batch", "batch3d", "2d")
+# 'batch': every copy of a transfer in cudaMemcpy3DBatchAsync calls; '2d': one cudaMemcpy2DAsync per
+# copy; 'auto': 'batch' where it can run.
+MODES = ("auto", "batch", "2d")
 # Copies per cudaMemcpy3DBatchAsync call. The API documents no limit; chunking
 # bounds the descriptor array (112 B per copy) and keeps one call's CPU time short.
 MAX_BATCH_OPS = 8192
@@ -61,7 +60,6 @@ MAX_BATCH_OPS = 8192
 # current GPUs), so longer runs are cut into pieces of at most this size.
 MAX_COPY_BYTES = 1 << 30
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (UVA)
-_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read the source in stream order
 _OPERAND_TYPE_POINTER = 1  # cudaMemcpyOperandTypePointer
 
@@ -312,13 +310,6 @@ class Memcpy3DBatchOp(ctypes.Structure):
                 ("srcAccessOrder", ctypes.c_int), ("flags", ctypes.c_uint)]
 
 
-class MemcpyAttributes(ctypes.Structure):
-    """``CUmemcpyAttributes`` (cuda.h, CUDA 12.8+); the location hints only matter for managed memory."""
-
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
-                ("flags", ctypes.c_uint)]
-
-
 def _descriptor_layout() -> dict:
     """Byte offsets of the fields describe_copies fills, from the ctypes structs above."""
     ptr = Memcpy3DOperand.op.offset + _OperandUnion.ptr.offset
@@ -486,75 +477,9 @@ class CudaRuntime:
         return ctypes.c_int.from_buffer(attributes).value == 1
 
 
-class DriverBatchError(RuntimeError):
-    """The driver's batch call returned an error."""
-
-
-class DriverBatch:
-    """``cuMemcpyBatchAsync`` of the CUDA driver: many flat copies in one call.
-
-    A flat copy costs the copy engines far less in this call than as a
-    descriptor of ``cudaMemcpy3DBatchAsync`` (measured on the H200: about 0.3-0.8
-    against 4.3 us per copy; docs/BENCHMARKS.md), which is what lets a batch of
-    64-token pages keep the link. CUDA 13's cuda.h maps the name to the symbol
-    ``cuMemcpyBatchAsync_v2``, which dropped the ``failIdx`` out-parameter that
-    the 12.8-12.9 symbol ``cuMemcpyBatchAsync`` takes; the two cannot be called
-    with each other's arguments, so the symbol found decides the arguments.
-    """
-
-    def __init__(self, lib=None):
-        self.lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
-        version = ctypes.c_int(0)
-        self.lib.cuDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
-        self.version = version.value if self.lib.cuDriverGetVersion(ctypes.byref(version)) == 0 else 0
-        self._call, self._takes_fail_idx = None, False
-        newer = getattr(self.lib, "cuMemcpyBatchAsync_v2", None) if self.version >= 13000 else None
-        if newer is not None:
-            self._call = newer
-        elif self.version >= 12080:
-            self._call, self._takes_fail_idx = getattr(self.lib, "cuMemcpyBatchAsync", None), True
-        if self._call is not None:
-            ptr, size_t = ctypes.c_void_p, ctypes.c_size_t
-            self._call.argtypes = ([ptr, ptr, ptr, size_t, ptr, ptr, size_t] + ([ptr] if self._takes_fail_idx else [])
-                                   + [ptr])
-            self._call.restype = ctypes.c_int
-        # One set of attributes for every copy: read the source in stream order. cuda.h documents attrsIdxs
-        # as numAttrs entries (attrs[k] applies from copy attrsIdxs[k] on), but other projects fixed crashes
-        # of this call by passing one entry per copy (sglang#23136, vllm#53860), as if the driver read
-        # `count` of them; zeros for every copy of a call are right under either reading.
-        self._attributes = MemcpyAttributes(srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
-        self._first_copy = (ctypes.c_size_t * MAX_BATCH_OPS)()
-        self.lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-
-    @property
-    def available(self) -> bool:
-        return self._call is not None
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, sizes: torch.Tensor, stream: int) -> None:
-        """``sizes[i]`` bytes from ``src[i]`` to ``dst[i]`` (contiguous CPU int64 tensors), in calls of at
-        most MAX_BATCH_OPS copies; the driver reads the arrays during the call."""
-        fail_idx = ctypes.c_size_t(0)
-        if len(self._first_copy) < MAX_BATCH_OPS:  # one attribute index per copy of a call (see __init__)
-            self._first_copy = (ctypes.c_size_t * MAX_BATCH_OPS)()
-        for first in range(0, dst.numel(), MAX_BATCH_OPS):
-            count = min(MAX_BATCH_OPS, dst.numel() - first)
-            args = [dst.data_ptr() + 8 * first, src.data_ptr() + 8 * first, sizes.data_ptr() + 8 * first, count,
-                    ctypes.addressof(self._attributes), ctypes.addressof(self._first_copy), 1]
-            if self._takes_fail_idx:
-                args.append(ctypes.addressof(fail_idx))
-            code = self._call(*args, stream)
-            if code:
-                text = ctypes.c_char_p()
-                self.lib.cuGetErrorString(code, ctypes.byref(text))
-                raise DriverBatchError(f"cuMemcpyBatchAsync({count} copies) failed: "
-                                   f"{(text.value or b'unknown error').decode(errors='replace')} (CUresult {code})")
-
-
 _runtime: CudaRuntime | None = None
 _runtime_lock = threading.Lock()
 _batch_failure: str | None = None  # why the batch call was given up in this process, if it was
-_driver: DriverBatch | None = None
-_driver_failure: str | None = None  # why the driver's batch call was given up, if it was
 _null_stream_helpers: dict[int, torch.cuda.Stream] = {}
 
 
@@ -567,29 +492,6 @@ def cuda_runtime() -> CudaRuntime:
     return _runtime
 
 
-def driver_batch() -> DriverBatch | None:
-    """The driver's batch call, or None unless SGLANG_HICACHE_JIT_DRIVER_BATCH=1 turns it on (read here,
-    once per process), the driver lacks it (before CUDA 12.8) or it failed here."""
-    global _driver, _driver_failure
-    if _driver is None and _driver_failure is None:
-        with _runtime_lock:
-            if _driver is None and _driver_failure is None:
-                if not settings.driver_batch_enabled():
-                    _driver_failure = f"{settings.DRIVER_BATCH} is not 1"
-                    log.info("flat copies go through cudaMemcpy3DBatchAsync: %s", _driver_failure)
-                    return None
-                try:
-                    _driver = DriverBatch()
-                except (OSError, AttributeError) as exc:  # no libcuda, or a driver without these entry points
-                    _driver_failure = f"{type(exc).__name__}: {exc}"
-                else:
-                    if not _driver.available:
-                        _driver_failure = f"the CUDA driver ({_driver.version}) has no cuMemcpyBatchAsync (12.8+)"
-                if _driver_failure:
-                    log.info("flat copies go through cudaMemcpy3DBatchAsync: %s", _driver_failure)
-    return None if _driver_failure else _driver
-
-
 def batch_status() -> tuple[bool, str]:
     """Whether CUDA copies go out as batched calls, which, and why not."""
     runtime = cuda_runtime()
@@ -598,10 +500,8 @@ def batch_status() -> tuple[bool, str]:
                        f"{runtime.version // 1000}.{runtime.version % 1000 // 10}: one cudaMemcpy2DAsync per run")
     if _batch_failure:
         return False, f"cudaMemcpy3DBatchAsync failed earlier in this process ({_batch_failure}); using 2-D copies"
-    flat = ("flat copies in one cuMemcpyBatchAsync call" if driver_batch() is not None
-            else f"flat copies in cudaMemcpy3DBatchAsync too ({_driver_failure})")
-    return True, (f"cudaMemcpy3DBatchAsync (CUDA runtime {runtime.version}) for strided copies, {flat}: "
-                  "one call each per transfer; one cudaMemcpy2DAsync per copy while a CUDA graph is captured")
+    return True, (f"cudaMemcpy3DBatchAsync (CUDA runtime {runtime.version}) for every copy, flat and strided: "
+                  "one call per transfer; one cudaMemcpy2DAsync per copy while a CUDA graph is captured")
 
 
 # ---------------------------------------------------------------------------
@@ -612,14 +512,12 @@ def copy_rows(pairs, indices_dst, indices_src, *, mode: str = "auto", page_size:
     """Copies ``src[indices_src[i]] -> dst[indices_dst[i]]`` for every pair.
 
     ``pairs`` is a Pairs (or a list of (dst, src) tensors). ``mode`` picks the
-    CUDA submission (see MODES): 'batch' (flat copies in one driver
-    cuMemcpyBatchAsync call, strided ones in one cudaMemcpy3DBatchAsync call),
-    'batch3d' (all in the 3-D call), '2d' (one cudaMemcpy2DAsync per run and
-    pair) or 'auto' ('batch' where the calls exist, host memory is pinned and
+    CUDA submission (see MODES): 'batch' (every copy in one
+    cudaMemcpy3DBatchAsync call), '2d' (one cudaMemcpy2DAsync per run and
+    pair) or 'auto' ('batch' where the call exists, host memory is pinned and
     the stream is not being captured). ``page_size``, ``dst_rows`` and
-    ``src_rows``: see plan_runs. Returns what ran: 'batch', 'batch3d', '2d', or
-    'torch' (CPU tensors: slice copies). Asynchronous on the current stream
-    for CUDA.
+    ``src_rows``: see plan_runs. Returns what ran: 'batch', '2d', or 'torch'
+    (CPU tensors: slice copies). Asynchronous on the current stream for CUDA.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -665,8 +563,7 @@ class CopyPlan:
     link beside compute (docs/BENCHMARKS.md).
     """
 
-    __slots__ = ("runs", "spans", "geometry", "dst_ptr", "src_ptr", "words", "flat", "flat_dst", "flat_src",
-                 "flat_sizes", "rest", "n_runs")
+    __slots__ = ("runs", "spans", "geometry", "dst_ptr", "src_ptr", "words", "n_runs")
 
     def __init__(self, pairs: Pairs, runs: Runs):
         check_bounds(runs, pairs.dst_rows, pairs.src_rows)
@@ -678,14 +575,6 @@ class CopyPlan:
             runs = split_runs(runs, max(1, MAX_COPY_BYTES // int(pairs.row_bytes.max())))
         self.n_runs = len(runs)
         self.words = describe_copies(pairs, runs) if pairs.device is not None else None
-        self.flat = self.flat_dst = self.flat_src = self.flat_sizes = self.rest = None
-        if self.words is not None and bool(pairs.packed.any()):
-            self.flat = pairs.packed.repeat_interleave(self.n_runs)
-            flat_words = self.words[self.flat]
-            self.flat_dst = flat_words[:, _word("dst.ptr")].contiguous()
-            self.flat_src = flat_words[:, _word("src.ptr")].contiguous()
-            self.flat_sizes = flat_words[:, _word("extent.width")].contiguous()
-            self.rest = self.words[~self.flat].contiguous()
 
     def fits(self, pairs: Pairs) -> bool:
         """Whether this plan's copies are those of ``pairs`` up to their base addresses."""
@@ -714,30 +603,15 @@ class CopyPlan:
             return int(d_dst), int(d_src)
         return d_dst.repeat_interleave(self.n_runs), d_src.repeat_interleave(self.n_runs)
 
-    def descriptors(self, pairs: Pairs, *, flat_apart: bool):
-        """``(flat_dst, flat_src, flat_sizes, words)`` for ``pairs``: the flat copies as address arrays for the
-        driver's call (None when ``flat_apart`` is false or none is flat) and the rest as descriptor rows."""
+    def descriptors(self, pairs: Pairs) -> torch.Tensor:
+        """The copy descriptors (rows of ``cudaMemcpy3DBatchOp``) for ``pairs``: this plan's, shifted to their bases."""
         shift = self._shift(pairs)
-        if flat_apart and self.flat is not None:
-            flat_dst, flat_src, rest = self.flat_dst, self.flat_src, self.rest
-            if shift is not None:
-                d_dst, d_src = shift
-                if not isinstance(d_dst, int):
-                    d_dst, d_src, r_dst, r_src = d_dst[self.flat], d_src[self.flat], d_dst[~self.flat], d_src[~self.flat]
-                else:
-                    r_dst, r_src = d_dst, d_src
-                flat_dst, flat_src = flat_dst + d_dst, flat_src + d_src
-                if rest.shape[0]:
-                    rest = rest.clone()
-                    rest[:, _word("dst.ptr")] += r_dst
-                    rest[:, _word("src.ptr")] += r_src
-            return flat_dst, flat_src, self.flat_sizes, rest
-        words = self.words
-        if shift is not None:
-            words = words.clone()
-            words[:, _word("dst.ptr")] += shift[0]
-            words[:, _word("src.ptr")] += shift[1]
-        return None, None, None, words
+        if shift is None:
+            return self.words
+        words = self.words.clone()
+        words[:, _word("dst.ptr")] += shift[0]
+        words[:, _word("src.ptr")] += shift[1]
+        return words
 
 
 class PlanCache:
@@ -782,15 +656,15 @@ def _copy_on_cpu(pairs: Pairs, spans: list) -> None:
 
 
 def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str) -> str:
-    global _batch_failure, _driver_failure
+    global _batch_failure
     runtime = cuda_runtime()
     device = pairs.device
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device)
-        if requested in ("batch", "batch3d") and not runtime.has_batch:
+        if requested == "batch" and not runtime.has_batch:
             raise RuntimeError(batch_status()[1])
         mode = requested
-        # Batched copies are not captured into CUDA graphs here (the batch calls could not be captured
+        # Batched copies are not captured into CUDA graphs here (the batch call could not be captured
         # before CUDA 13): a capture records one 2-D copy per run, which replays like any other copy.
         if torch.cuda.is_current_stream_capturing():
             if requested != "auto" and requested != "2d":
@@ -801,52 +675,39 @@ def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str) -> str:
             mode = "batch" if runtime.has_batch and not _batch_failure and not pairs.pageable else "2d"
         if not plan.n_runs:
             return mode
+        words = plan.descriptors(pairs)
         if mode == "2d":
-            runtime.memcpy_2d(plan.descriptors(pairs, flat_apart=False)[3], stream.cuda_stream)
+            runtime.memcpy_2d(words, stream.cuda_stream)
             return "2d"
-        driver = driver_batch() if mode == "batch" else None
-        copies = plan.descriptors(pairs, flat_apart=driver is not None)
         try:
-            try:
-                _batch_on(runtime, driver, copies, stream, device)
-            except DriverBatchError as exc:
-                if requested == "batch":
-                    raise
-                # Keep transfers working: flat copies go through the 3-D call from now on; say so once.
-                # The copies are idempotent, so redoing any the failed call did enqueue is safe.
-                _driver_failure = str(exc)
-                log.warning("%s; flat copies go through cudaMemcpy3DBatchAsync from now on", exc)
-                _batch_on(runtime, None, plan.descriptors(pairs, flat_apart=False), stream, device)
+            _batch_on(runtime, words, stream, device)
             return mode
         except RuntimeError as exc:
             if requested != "auto":
                 raise
+            # Keep transfers working: one 2-D copy per run from now on; say so once. The copies are
+            # idempotent, so redoing any the failed call did enqueue is safe.
             _batch_failure = str(exc)
             log.warning("%s; the direct path uses one cudaMemcpy2DAsync per run from now on", exc)
-            runtime.memcpy_2d(plan.descriptors(pairs, flat_apart=False)[3], stream.cuda_stream)
+            runtime.memcpy_2d(words, stream.cuda_stream)
             return "2d"
 
 
-def _batch_on(runtime: CudaRuntime, driver, copies, stream, device: int) -> None:
-    """The copies of one transfer, batched: the flat ones (``CopyPlan.descriptors``) through the driver's
-    call, the rest through cudaMemcpy3DBatchAsync."""
-    flat_dst, flat_src, flat_sizes, words = copies
+def _batch_on(runtime: CudaRuntime, words: torch.Tensor, stream, device: int) -> None:
+    """The copies of one transfer (descriptor rows), in cudaMemcpy3DBatchAsync calls on ``stream``."""
     # One batch on one stream: spreading it over several streams does not help
     # (measured: ~4.3 us of copy-engine time per 3-D copy whatever the stream count;
     # docs/host_pool.md).
     target = stream
     if not stream.cuda_stream:
-        # The batch calls refuse the legacy NULL stream: run on a helper stream
+        # The batch call refuses the legacy NULL stream: run on a helper stream
         # fenced on both sides, so the copies stay ordered with the caller's work.
         target = _null_stream_helpers.get(device)
         if target is None:
             target = _null_stream_helpers[device] = torch.cuda.Stream(device)
         target.wait_stream(stream)
     try:
-        if flat_dst is not None and flat_dst.numel():
-            driver.copy(flat_dst, flat_src, flat_sizes, target.cuda_stream)
-        if words.shape[0]:
-            runtime.memcpy_batch(words, target.cuda_stream)
+        runtime.memcpy_batch(words, target.cuda_stream)
     finally:
         if target is not stream:
             stream.wait_stream(target)

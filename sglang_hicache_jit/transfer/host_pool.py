@@ -76,35 +76,33 @@ class MHADevicePool:
     owned_layers: tuple | None = None
 
 
-# Where a load goes to the copy engines (H200, 1152-B rows, SGLang's 8-layer per-layer load loop, the plan
-# made once per load, the driver's batch call on; tools/bench.py layouts, docs/BENCHMARKS.md 2026-12-04):
-# beside back-to-back bf16 matmuls, copies of a 64-token page of one layer (72 KiB) moved 0.72 / 0.89-0.97
-# of the link at 16K / 64K tokens per layer against the kernel's 0.21 / 0.77-0.79 (its launches wait for
-# SMs), 256-token pages 0.98; an exploratory run found the same order at 1K and 4K tokens (0.55 / 0.75
-# against 0.16 / 0.33) and for 16-token pages (18 KiB: 0.53 against 0.34 at 4K tokens). A load overlaps
-# compute in a server, so the copy engines take every load whose copies are this long.
-DIRECT_LOAD_MIN_COPY_BYTES = 16 * 1024
+# Loads whose copies (one page of one layer where the layout keeps it contiguous, else one row) are at least
+# this long, with their indices on the host, go to the copy engines under io_backend="auto"; None: no load
+# does. It was 16 KiB while flat copies could go through the driver's batch call, whose figures those were
+# (H200, 1152-B rows, 8 layers, tools/bench.py layouts, docs/BENCHMARKS.md 2026-12-04: beside back-to-back
+# bf16 matmuls 64-token pages moved 0.72 / 0.89-0.97 of the link at 16K / 64K tokens per layer against the
+# kernel's 0.21 / 0.77-0.79). That call returned wrong rows and is gone; through cudaMemcpy3DBatchAsync
+# each copy costs about 4.3 us more of copy-engine time, so those figures do not hold and loads stay on
+# the kernel, as they did with the driver's call off (its default).
+LOAD_ON_COPY_ENGINES_FROM = None
 
 
 def choose_io_backend(kernel_available: bool, operation: str, *, copy_bytes: int = 0,
-                      indices_on_host: bool = False, flat_batch: bool = True) -> str:
+                      indices_on_host: bool = False) -> str:
     """The ``io_backend="auto"`` policy for ``operation`` ('load' or 'backup').
 
     Backups, which are off the critical path, take the copy engines: beside a saturating bf16 matmul the
     kernel's all-layer backup slows the matmul by 44-52%, the copy engines by 2-5% (and page_first backups
-    are staged, staging.py). Loads take the copy engines too when each copy (``copy_bytes``: one page of
-    one layer where the layout keeps it contiguous, else one row) is at least DIRECT_LOAD_MIN_COPY_BYTES
-    and the indices are already on the host (the copy engines are planned on the CPU; GPU indices would cost
-    a host sync), and flat copies have the driver's batch call (``flat_batch``: those figures are its; through
-    cudaMemcpy3DBatchAsync each copy costs about 4.3 us more); otherwise the kernel. Pass io_backend="kernel"
-    for the fastest small loads on an idle GPU.
+    are staged, staging.py). Loads take the kernel, except copies of at least LOAD_ON_COPY_ENGINES_FROM
+    bytes (``copy_bytes``) whose indices are already on the host (the copy engines are planned on the CPU;
+    GPU indices would cost a host sync), where that is set.
     """
     if operation not in ("load", "backup"):
         raise ValueError(f"operation must be 'load' or 'backup', got {operation!r}")
     if not kernel_available or operation == "backup":
         return "direct"
-    long = copy_bytes >= DIRECT_LOAD_MIN_COPY_BYTES
-    return "direct" if long and indices_on_host and flat_batch else "kernel"
+    threshold = LOAD_ON_COPY_ENGINES_FROM
+    return "direct" if threshold is not None and copy_bytes >= threshold and indices_on_host else "kernel"
 
 
 def _log_choice_once(path: str, reason: str) -> None:
@@ -208,7 +206,7 @@ class HostKVPool:
         self.staging_bytes = settings.staging_bytes()  # GPU memory page_first backups may stage through
         self._plans = direct.PlanCache()  # direct-path plans of the last few transfers (a load's layers share one)
         self.direct_mode = "auto"      # how the direct path submits CUDA copies: direct.MODES
-        self.last_direct_mode = None   # what the last direct transfer ran: 'batch', 'batch3d', '2d' or 'torch'
+        self.last_direct_mode = None   # what the last direct transfer ran: 'batch', '2d', 'torch' or 'staged'
         self.transfer_path, self.transfer_path_reason = self._choose_path(first)
         _log_choice_once(self.transfer_path, self.transfer_path_reason)
         self.allocator = SlotAllocator(self.size, self.page_size)
@@ -324,8 +322,7 @@ class HostKVPool:
         if io_backend == "auto":
             kernel = self.transfer_path == "kernel"
             return choose_io_backend(kernel, operation, copy_bytes=self.copy_bytes,
-                                     indices_on_host=device_indices is not None and not device_indices.is_cuda,
-                                     flat_batch=kernel and operation == "load" and direct.driver_batch() is not None)
+                                     indices_on_host=device_indices is not None and not device_indices.is_cuda)
         raise ValueError(f"Unsupported IO backend: {io_backend!r} (choose one of {', '.join(IO_BACKENDS)})")
 
     def _layer(self, layer_id) -> int:
