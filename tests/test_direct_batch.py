@@ -4,7 +4,7 @@ from a stand-in runtime that records every call, and plans rebased to other laye
 import pytest
 import torch
 
-from sglang_hicache_jit.transfer import direct
+from sglang_hicache_jit.transfer import cuda, direct
 
 
 class FakeRuntime:
@@ -33,7 +33,7 @@ def test_flat_and_strided_copies_go_to_the_3d_call_together():
     direct._batch_on(runtime, plan.descriptors(pairs), FakeStream(), 0)
     (words, stream), = runtime.batches
     assert stream == 99 and torch.equal(words, plan.words) and words.shape[0] == 4
-    col = {k: v // 8 for k, v in direct.DESCRIPTOR_OFFSETS.items()}
+    col = {k: v // 8 for k, v in cuda.DESCRIPTOR_OFFSETS.items()}
     assert words[:2, col["dst.ptr"]].tolist() == [(1 << 40) + 0 * row, (1 << 40) + 10 * row]
     assert words[:2, col["extent.width"]].tolist() == [3 * row, 2 * row]  # flat: one block per run
     assert words[2:, col["extent.height"]].tolist() == [3, 2]             # strided: one row per line
@@ -71,47 +71,6 @@ def test_a_plan_refuses_pairs_of_another_geometry():
     assert not plan.fits(_fake_pairs(1 << 40, 1 << 41, strided=True))
     with pytest.raises(ValueError, match="pairs differ"):
         plan.run(_fake_pairs(1 << 40, 1 << 41, strided=True))
-
-
-def test_the_plan_cache_keys_on_identity_and_version():
-    cache, made = direct.PlanCache(capacity=2), []
-    make = lambda: made.append(1) or len(made)  # noqa: E731
-    a, b = torch.arange(8), torch.arange(8)
-    assert cache.get((a, b), "x", make) == 1
-    assert cache.get((a, b), "x", make) == 1          # the same tensors, unchanged: reused
-    assert cache.get((a, b), "y", make) == 2          # another transfer on the same indices
-    a.add_(0)                                         # written in place: its version moves on
-    assert cache.get((a, b), "x", make) == 3
-    assert cache.get((b.clone(), b), "x", make) == 4  # equal values in another tensor: planned again
-    assert len(cache._entries) == 2                   # bounded
-
-
-def test_a_pool_plans_a_load_once_for_all_its_layers(monkeypatch):
-    from test_host_pool import as_bytes, fill_random, get_host_rows, make_device_pool, make_host_pool
-
-    gen = torch.Generator().manual_seed(7)
-    dp = make_device_pool("mla", 1152, gen)
-    pool = make_host_pool(dp, page_size=16, layout="page_first_direct")
-    fill_random(pool.kv_buffer, gen)
-    calls = []
-    plan_direct = pool._plan_direct
-    monkeypatch.setattr(pool, "_plan_direct", lambda *a: calls.append(1) or plan_direct(*a))
-    host, dev = pool.alloc(64), torch.arange(64, 128)
-
-    def check(layers):
-        for layer in layers:
-            want = get_host_rows(as_bytes(pool.kv_buffer), "page_first_direct", 16, layer, host)
-            assert torch.equal(as_bytes(dp.kv_buffer[layer])[dev], want), f"layer {layer}"
-
-    layers = range(len(dp.kv_buffer))
-    for layer in layers:
-        pool.load_to_device_per_layer(dp, host, dev, layer, "direct")
-    assert len(calls) == 1
-    check(layers)  # every layer got its own rows from the one plan
-    dev.add_(1)    # the caller rewrote its indices in place: the next load plans again
-    pool.load_to_device_per_layer(dp, host, dev, 0, "direct")
-    assert len(calls) == 2
-    check([0])
 
 
 # ---- issue 34: the driver's batch call is gone, and its setting with it ------------------------------------------

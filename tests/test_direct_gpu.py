@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from sglang_hicache_jit.transfer import direct
+from sglang_hicache_jit.transfer import cuda, direct
 from sglang_hicache_jit.errors import TransferIndexError
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +43,7 @@ def test_the_batch_call_is_available_with_this_runtime():
     """The runtime's cudaMemcpy3DBatchAsync (CUDA 12.8+) takes every copy; the driver's cuMemcpyBatchAsync, which
     returned wrong rows on driver 580.159.04, is never named as a path."""
     ok, why = direct.batch_status()
-    runtime = direct.cuda_runtime()
+    runtime = cuda.cuda_runtime()
     if runtime.version >= 12080:
         assert ok and "cudaMemcpy3DBatchAsync" in why and "for every copy" in why, why
     else:
@@ -108,7 +108,7 @@ def test_scattered_single_rows_and_long_runs(mode):
 
 def test_more_copies_than_one_batch_call_takes():
     gen = torch.Generator().manual_seed(4)
-    n = direct.MAX_BATCH_OPS + 1234
+    n = cuda.MAX_BATCH_OPS + 1234
     host = _bytes((2 * n, 64), gen=gen, pin=True)
     dev = _bytes((n, 64), "cuda", gen)
     h = torch.randperm(2 * n, generator=gen)[:n]  # single-row runs: one copy each
@@ -161,7 +161,7 @@ def test_out_of_range_indices_raise_before_copying():
 
 
 def test_a_failing_3d_call_falls_back_once_and_explicit_modes_raise(monkeypatch, caplog):
-    runtime = direct.cuda_runtime()
+    runtime = cuda.cuda_runtime()
     monkeypatch.setattr(runtime, "_batch", lambda *args: 1)  # cudaErrorInvalidValue
     monkeypatch.setattr(direct, "_batch_failure", None)
     dev = torch.zeros((64, 16), dtype=torch.uint8, device="cuda")

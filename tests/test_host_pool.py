@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_hicache_jit import host_pool
-from sglang_hicache_jit.transfer import direct
+from sglang_hicache_jit.transfer import cuda, direct, route
 from sglang_hicache_jit.errors import TransferIndexError
 from sglang_hicache_jit.host_pool import MHADevicePool, MHAHostKVPool, MLADevicePool, MLAHostKVPool
 
@@ -229,19 +229,19 @@ def test_path_choice_reports_the_probe_reason(monkeypatch):
         calls.append((element_size, device))
         return ProbeResult(False, "build_failed", "nvcc said no.", "read the log")
 
-    monkeypatch.setattr(host_pool, "probe", fake_probe)
-    pool = make_host_pool(make_device_pool("mla", 1152, torch.Generator().manual_seed(0)), page_size=16,
-                          layout="page_first")
+    monkeypatch.setattr(route, "probe", fake_probe)
     gpu_layer = _FakeCudaTensor()
-    path, reason = pool._choose_path(gpu_layer)  # this pool is not pinned: no probe needed
+    path, reason = route.pool_path(gpu_layer, pinned=False, row_bytes=1152)  # not pinned: no probe needed
     assert path == "direct" and "not pinned" in reason and not calls
-    pool.pin_memory = True
-    path, reason = pool._choose_path(gpu_layer)
+    path, reason = route.pool_path(gpu_layer, pinned=True, row_bytes=1152)
     assert path == "direct" and calls == [(1152, 0)]
     assert "[build_failed]" in reason and "nvcc said no." in reason and "read the log" in reason
 
-    monkeypatch.setattr(host_pool, "probe", lambda element_size, *, device=None: ProbeResult(True, "ok", "fine."))
-    assert pool._choose_path(gpu_layer) == ("kernel", "the probe says: fine.")
+    monkeypatch.setattr(route, "probe", lambda element_size, *, device=None: ProbeResult(True, "ok", "fine."))
+    assert route.pool_path(gpu_layer, pinned=True, row_bytes=1152) == ("kernel", "the probe says: fine.")
+    pool = make_host_pool(make_device_pool("mla", 1152, torch.Generator().manual_seed(0)), page_size=16,
+                          layout="page_first")
+    assert pool.transfer_path == "direct" and "not a GPU" in pool.transfer_path_reason  # a CPU device pool
 
 
 class _FakeCudaTensor:
@@ -251,23 +251,23 @@ class _FakeCudaTensor:
 
 
 def test_auto_policy_is_one_function():
-    assert host_pool.choose_io_backend(True, "load") == "kernel"
-    assert host_pool.choose_io_backend(True, "backup") == "direct"  # copy engines spare the compute SMs
-    assert host_pool.choose_io_backend(False, "load") == "direct"
+    assert route.auto_path("load", kernel_ok=True) == "kernel"
+    assert route.auto_path("backup", kernel_ok=True) == "direct"  # copy engines spare the compute SMs
+    assert route.auto_path("load", kernel_ok=False) == "direct"
     with pytest.raises(ValueError, match="operation"):
-        host_pool.choose_io_backend(True, "sideways")
+        route.auto_path("sideways", kernel_ok=True)
 
 
 def test_auto_sends_host_indexed_loads_of_long_copies_to_the_copy_engines_only_where_a_threshold_is_set(
         monkeypatch):
-    assert host_pool.LOAD_ON_COPY_ENGINES_FROM is None  # the driver's batch call is gone: loads take the kernel
+    assert route.LOAD_ON_COPY_ENGINES_FROM is None  # the driver's batch call is gone: loads take the kernel
     for on_host in (True, False):
-        assert host_pool.choose_io_backend(True, "load", copy_bytes=1 << 30, indices_on_host=on_host) == "kernel"
-    monkeypatch.setattr(host_pool, "LOAD_ON_COPY_ENGINES_FROM", 16 * 1024)
+        assert route.auto_path("load", kernel_ok=True, copy_bytes=1 << 30, indices_on_host=on_host) == "kernel"
+    monkeypatch.setattr(route, "LOAD_ON_COPY_ENGINES_FROM", 16 * 1024)
     long, short = {"copy_bytes": 16 * 1024}, {"copy_bytes": 16 * 1024 - 4}
-    assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=True) == "direct"
-    assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=False) == "kernel"  # no host sync
-    assert host_pool.choose_io_backend(True, "load", **short, indices_on_host=True) == "kernel"
+    assert route.auto_path("load", kernel_ok=True, **long, indices_on_host=True) == "direct"
+    assert route.auto_path("load", kernel_ok=True, **long, indices_on_host=False) == "kernel"  # no host sync
+    assert route.auto_path("load", kernel_ok=True, **short, indices_on_host=True) == "kernel"
 
 
 @pytest.mark.parametrize("layout, page, copy_rows", [("page_first_direct", 64, 64), ("layer_first", 64, 64),
@@ -281,7 +281,7 @@ def test_auto_load_path_follows_the_layouts_copy_size(layout, page, copy_rows, m
     assert pool.copy_bytes == copy_rows * 1152
     pool.transfer_path = "kernel"  # as on a GPU where the probe said yes
     assert pool._path("auto", "load", torch.zeros(1024, dtype=torch.int64)) == "kernel"
-    monkeypatch.setattr(host_pool, "LOAD_ON_COPY_ENGINES_FROM", 16 * 1024)
+    monkeypatch.setattr(route, "LOAD_ON_COPY_ENGINES_FROM", 16 * 1024)
     expected = "direct" if copy_rows * 1152 >= 16 * 1024 else "kernel"
     assert pool._path("auto", "load", torch.zeros(1024, dtype=torch.int64)) == expected
     assert pool._path("auto", "load", _FakeCudaTensor()) == "kernel"
@@ -553,7 +553,7 @@ def test_find_runs_rejects_bad_indices():
 def execute_descriptors(words):
     """Runs copy descriptors on host memory with memmove, row by row: an executable
     model of what cudaMemcpy3DBatchAsync is asked to do."""
-    col = {k: v // 8 for k, v in direct.DESCRIPTOR_OFFSETS.items()}
+    col = {k: v // 8 for k, v in cuda.DESCRIPTOR_OFFSETS.items()}
     for w in words.tolist():
         assert w[col["extent.depth"]] == 1 and w[col["src.type"]] == 1 and w[col["dst.type"]] == 1
         assert w[col["srcAccessOrder"]] == 1  # stream order, flags 0 in the high half
@@ -583,13 +583,13 @@ def test_descriptors_copy_exactly_the_addressed_rows(seed):
         expected[dst[keep], l] = dev[l][src[keep]]
     runs = direct.find_runs(dst, src)
     words = direct.describe_copies(pairs, runs)
-    assert words.shape == (layers * len(runs), direct.DESCRIPTOR_BYTES // 8)
+    assert words.shape == (layers * len(runs), cuda.DESCRIPTOR_BYTES // 8)
     execute_descriptors(words)
     assert torch.equal(host, expected)
     # packed pairs (both sides contiguous rows) become one block per run
     a, b = torch.zeros(64, row, dtype=torch.uint8), torch.randint(0, 256, (48, row), dtype=torch.uint8, generator=gen)
     packed = direct.describe_copies(direct.Pairs([(a, b)]), runs)
-    assert (packed[:, direct.DESCRIPTOR_OFFSETS["extent.height"] // 8] == 1).all()
+    assert (packed[:, cuda.DESCRIPTOR_OFFSETS["extent.height"] // 8] == 1).all()
     execute_descriptors(packed)
     reference = torch.zeros(64, row, dtype=torch.uint8)
     reference[dst[keep]] = b[src[keep]]
@@ -665,11 +665,11 @@ def test_batch_descriptor_matches_the_cuda_header(tmp_path):
     facts = dict(line.split() for line in subprocess.run([str(binary)], capture_output=True, text=True,
                                                         check=True).stdout.splitlines())
     facts = {k: int(v) for k, v in facts.items()}
-    assert facts.pop("size") == direct.DESCRIPTOR_BYTES == 112
-    assert facts.pop("cudaMemcpyDefault") == direct._CUDA_MEMCPY_DEFAULT
-    assert facts.pop("cudaMemcpySrcAccessOrderStream") == direct._SRC_ACCESS_ORDER_STREAM
-    assert facts.pop("cudaMemcpyOperandTypePointer") == direct._OPERAND_TYPE_POINTER
-    assert facts == direct.DESCRIPTOR_OFFSETS
+    assert facts.pop("size") == cuda.DESCRIPTOR_BYTES == 112
+    assert facts.pop("cudaMemcpyDefault") == cuda.CUDA_MEMCPY_DEFAULT
+    assert facts.pop("cudaMemcpySrcAccessOrderStream") == cuda.SRC_ACCESS_ORDER_STREAM
+    assert facts.pop("cudaMemcpyOperandTypePointer") == cuda.OPERAND_TYPE_POINTER
+    assert facts == cuda.DESCRIPTOR_OFFSETS
 
 
 # ---------------------------------------------------------------------------
@@ -855,7 +855,7 @@ def test_whole_pages_are_planned_per_page(layout, monkeypatch):
     def per_row(*args):
         raise AssertionError("planned per row")
 
-    monkeypatch.setattr(direct, "find_runs", per_row)
+    monkeypatch.setattr(direct, "row_runs", per_row)
     round_trip("mla", layout, 16, 1152, False, "direct", seed=3, rounds=1)
     with pytest.raises(AssertionError, match="per row"):  # padding falls back to per-row planning
         round_trip("mla", layout, 16, 1152, False, "direct", seed=3, rounds=2)

@@ -53,9 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from sglang_hicache_jit.safeio import check_output, write_output  # noqa: E402
-from sglang_hicache_jit.transfer import direct  # noqa: E402
+from sglang_hicache_jit.transfer import cuda, direct  # noqa: E402
+from sglang_hicache_jit.transfer import layout as host_layout  # noqa: E402
 
-LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+LAYOUTS = host_layout.LAYOUTS
 # Every row size SGLang's pools use: the DSA indexer's 132 B, MHA heads, MLA's 576 (FP8) and 1152 (bf16)...
 ROW_BYTES = (132, 256, 512, 576, 656, 1152, 2048, 4096)
 PAGE_SIZES = (1, 2, 4, 16, 32, 64, 128, 256)
@@ -103,16 +104,11 @@ def slots_of(region_bytes: int, layers: int, row: int, page: int) -> int:
 
 def layer_view(flat: torch.Tensor, layout: str, layers: int, row: int, page: int, slots: int, layer: int):
     """(rows, to_rows) of one layer of a region laid out as ``layout``: ``rows`` is a 2-D view (slot, row
-    bytes) and ``to_rows`` maps slots to its rows (None: the identity), as the host pools view theirs."""
-    used = flat[:layers * slots * row]
-    if layout == "layer_first":
-        return used.view(layers, slots, row)[layer], None
-    if layout == "page_first":
-        return used.view(slots, layers, row)[:, layer], None
-    pages = slots // page  # page_first_direct: (pages, layers, page, row)
-    rows = used.view(pages * layers * page, row)[layer * page:]
-    stride = layers * page
-    return rows, lambda t: torch.where(t >= 0, (t // page) * stride + t % page, t)
+    bytes) and ``to_rows`` maps slots to its rows (None: the identity), as the host pools view theirs
+    (transfer/layout.py)."""
+    shape = host_layout.buffer_shape(layout, layers=layers, slots=slots, page_size=page, row_shape=(row,))
+    rows = host_layout.layer_rows(flat[:layers * slots * row].view(shape), layout, layer)
+    return rows, host_layout.token_rows(layout, layers=layers, page_size=page, slots=slots, name="host slots")
 
 
 # ---------------------------------------------------------------------------
@@ -318,7 +314,7 @@ def machine(device: str) -> dict:
     if device != "cuda":
         return info
     info["gpu"] = torch.cuda.get_device_name()
-    info["runtime"] = direct.cuda_runtime().version
+    info["runtime"] = cuda.cuda_runtime().version
     info["batch"] = direct.batch_status()[1]
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],

@@ -1,9 +1,5 @@
 """The direct path: row copies done by the GPU's copy engines, no kernels, no JIT.
 
-Why one long module: it is one path from index lists to copies: steps 1-3 below are pure functions,
-step 4 the ctypes bindings they feed (structs, the cudart look-up), and the plan's types are
-shared by both halves; nothing else uses the bindings.
-
 Every transfer is a list of ``(dst, src)`` row tensors (one pair per layer and
 cache) plus one pair of index lists shared by all of them, as in ops.py:
 row ``src[indices_src[i]]`` goes to ``dst[indices_dst[i]]``; a negative index
@@ -18,50 +14,40 @@ on either side skips its pair. The flow:
    fixed stride on each side, so a run is one 2-D copy (width = row bytes,
    pitch = slot stride, height = run length); when both strides equal the row
    size it is one flat copy of ``length * row`` bytes (cut at MAX_COPY_BYTES);
-4. execution: CUDA tensors -> every copy of the transfer, flat (packed runs:
-   a page of a ``page_first_direct`` or ``layer_first`` layer, consecutive
-   pages merged) and strided (rows of a ``page_first`` layer) alike, in one
-   ``cudaMemcpy3DBatchAsync`` call (CUDA 12.8+); one ``cudaMemcpy2DAsync`` per
-   copy where the batch call is missing, host memory is pageable, or the
-   stream is being captured into a CUDA graph. The driver's
-   ``cuMemcpyBatchAsync`` is never called: on driver 580.159.04 it returned
-   wrong rows without an error and crashed the GPU (docs/troubleshooting.md).
-   CPU tensors (no GPU) -> one tensor slice copy per run, so CI runs the same
-   plan.
+4. execution: CUDA tensors -> every copy, flat (packed runs: a page of a
+   ``page_first_direct`` or ``layer_first`` layer) or strided (rows of a
+   ``page_first`` layer), in one ``cudaMemcpy3DBatchAsync`` call (CUDA 12.8+);
+   one ``cudaMemcpy2DAsync`` per copy where that call is missing, host memory
+   is pageable, or a CUDA graph is being captured. (The driver's
+   ``cuMemcpyBatchAsync`` returned wrong rows on driver 580.159.04 and is
+   never called: docs/troubleshooting.md.) CPU tensors -> one tensor slice
+   copy per run, so CI runs the same plan.
 
-The CUDA runtime is the ``libcudart`` torch already loaded, called through
-ctypes on the current stream of the tensors' device. Steps 1-3 are pure functions, testable without a GPU.
+The CUDA runtime is torch's ``libcudart``, through ctypes (cuda.py), on the
+current stream of the tensors' device. Which transfers come here, and the
+cache that keeps a load's plan for all its layers, are route.py's.
 """
 
 from __future__ import annotations
 
-import ctypes
-import glob
 import logging
-import os
-import sys
-import threading
 
 import torch
 
 from .bounds import PAST_THE_END, check_rows
 from .checks import check_index_tensor
+from .cuda import (DESCRIPTOR_OFFSETS, OPERAND_TYPE_POINTER, SRC_ACCESS_ORDER_STREAM, WORDS, CudaRuntime,
+                   cuda_runtime, word)
 
 log = logging.getLogger("sglang_hicache_jit.direct")  # its name from before the move to a subpackage (issue 20)
 
 # 'batch': every copy of a transfer in cudaMemcpy3DBatchAsync calls; '2d': one cudaMemcpy2DAsync per
 # copy; 'auto': 'batch' where it can run.
 MODES = ("auto", "batch", "2d")
-# Copies per cudaMemcpy3DBatchAsync call. The API documents no limit; chunking
-# bounds the descriptor array (112 B per copy) and keeps one call's CPU time short.
-MAX_BATCH_OPS = 8192
 # Largest flat block one copy moves. A packed run is one block of length * row
 # bytes, and CUDA caps a 2-D copy's pitch (cudaDevAttrMaxPitch, 2^31 - 1 on
 # current GPUs), so longer runs are cut into pieces of at most this size.
 MAX_COPY_BYTES = 1 << 30
-_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (UVA)
-_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read the source in stream order
-_OPERAND_TYPE_POINTER = 1  # cudaMemcpyOperandTypePointer
 
 
 # ---------------------------------------------------------------------------
@@ -184,25 +170,34 @@ class Runs:
         return list(zip(self.dst_start.tolist(), self.src_start.tolist(), self.length.tolist()))
 
 
-def _host_indices(name: str, idx) -> torch.Tensor:
-    check_index_tensor(name, idx)
-    # A GPU index tensor is copied to the CPU here, which waits for the GPU:
-    # copies are issued from the host, so the host must know the slots.
-    return idx.to("cpu", torch.int64)
+def check_pair(indices_dst, indices_src) -> None:
+    """The index contract for both index tensors of a transfer (checks.check_index_tensor) and equal lengths:
+    what a caller of route.copy checks once per operation."""
+    check_index_tensor("indices_dst", indices_dst)
+    check_index_tensor("indices_src", indices_src)
+    if indices_dst.numel() != indices_src.numel():
+        raise ValueError(f"indices_dst has {indices_dst.numel()} entries but indices_src has "
+                         f"{indices_src.numel()}; they must have the same length")
+
+
+def _checked(indices_dst, indices_src) -> tuple[torch.Tensor, torch.Tensor]:
+    check_pair(indices_dst, indices_src)
+    # GPU indices are copied to the CPU here, which waits for the GPU: copies are issued from the host.
+    return indices_dst.to("cpu", torch.int64).contiguous(), indices_src.to("cpu", torch.int64).contiguous()
 
 
 def find_runs(indices_dst, indices_src) -> Runs:
-    """Groups index pairs into runs in which both sides advance by one slot.
+    """Groups index pairs into runs in which both sides advance by one slot (row_runs), after checking both."""
+    return row_runs(*_checked(indices_dst, indices_src))
+
+
+def row_runs(dst: torch.Tensor, src: torch.Tensor) -> Runs:
+    """Runs of index pairs the caller checked (contiguous CPU int64 of one length), one entry per row.
 
     Pairs with a negative index on either side are dropped first; a run may
     continue across a dropped pair because the rows either side of it are
     still consecutive on both sides.
     """
-    dst = _host_indices("indices_dst", indices_dst)
-    src = _host_indices("indices_src", indices_src)
-    if dst.numel() != src.numel():
-        raise ValueError(f"indices_dst has {dst.numel()} entries but indices_src has {src.numel()}; "
-                         "they must have the same length")
     keep = (dst >= 0) & (src >= 0)
     if not bool(keep.all()):
         dst, src = dst[keep], src[keep]
@@ -270,73 +265,6 @@ def check_bounds(runs: Runs, dst_rows: int, src_rows: int) -> None:
     check_rows("indices_src", runs.src_start, src_rows, runs.length, pool="that side")
 
 
-class _MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _PointerOperand(ctypes.Structure):
-    _fields_ = [("ptr", ctypes.c_void_p), ("rowLength", ctypes.c_size_t), ("layerHeight", ctypes.c_size_t),
-                ("locHint", _MemLocation)]
-
-
-class _Offset3D(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_size_t), ("y", ctypes.c_size_t), ("z", ctypes.c_size_t)]
-
-
-class _ArrayOperand(ctypes.Structure):
-    _fields_ = [("array", ctypes.c_void_p), ("offset", _Offset3D)]
-
-
-class _OperandUnion(ctypes.Union):
-    _fields_ = [("ptr", _PointerOperand), ("array", _ArrayOperand)]
-
-
-class Memcpy3DOperand(ctypes.Structure):
-    """``struct cudaMemcpy3DOperand`` (driver_types.h, CUDA 12.8+)."""
-
-    _fields_ = [("type", ctypes.c_int), ("op", _OperandUnion)]
-
-
-class Extent(ctypes.Structure):
-    """``struct cudaExtent``; width in bytes for linear memory."""
-
-    _fields_ = [("width", ctypes.c_size_t), ("height", ctypes.c_size_t), ("depth", ctypes.c_size_t)]
-
-
-class Memcpy3DBatchOp(ctypes.Structure):
-    """``struct cudaMemcpy3DBatchOp`` (driver_types.h, CUDA 12.8+)."""
-
-    _fields_ = [("src", Memcpy3DOperand), ("dst", Memcpy3DOperand), ("extent", Extent),
-                ("srcAccessOrder", ctypes.c_int), ("flags", ctypes.c_uint)]
-
-
-def _descriptor_layout() -> dict:
-    """Byte offsets of the fields describe_copies fills, from the ctypes structs above."""
-    ptr = Memcpy3DOperand.op.offset + _OperandUnion.ptr.offset
-    layout = {}
-    for side in ("src", "dst"):
-        base = getattr(Memcpy3DBatchOp, side).offset
-        layout[f"{side}.type"] = base + Memcpy3DOperand.type.offset
-        layout[f"{side}.ptr"] = base + ptr + _PointerOperand.ptr.offset
-        layout[f"{side}.rowLength"] = base + ptr + _PointerOperand.rowLength.offset
-        layout[f"{side}.layerHeight"] = base + ptr + _PointerOperand.layerHeight.offset
-    for axis in ("width", "height", "depth"):
-        layout[f"extent.{axis}"] = Memcpy3DBatchOp.extent.offset + getattr(Extent, axis).offset
-    layout["srcAccessOrder"] = Memcpy3DBatchOp.srcAccessOrder.offset
-    layout["flags"] = Memcpy3DBatchOp.flags.offset
-    return layout
-
-
-DESCRIPTOR_BYTES = ctypes.sizeof(Memcpy3DBatchOp)
-DESCRIPTOR_OFFSETS = _descriptor_layout()
-_WORDS = DESCRIPTOR_BYTES // 8
-assert DESCRIPTOR_BYTES % 8 == 0 and sys.byteorder == "little"
-
-
-def _word(field: str) -> int:
-    return DESCRIPTOR_OFFSETS[field] // 8
-
-
 def describe_copies(pairs: Pairs, runs: Runs) -> torch.Tensor:
     """Copy descriptors for every (pair, run): a CPU int64 tensor of shape
     ``(len(pairs) * len(runs), DESCRIPTOR_BYTES // 8)`` whose rows are
@@ -348,9 +276,9 @@ def describe_copies(pairs: Pairs, runs: Runs) -> torch.Tensor:
     back as ``cudaMemcpy2DAsync``'s pitch.
     """
     n_pairs, n_runs = len(pairs), len(runs)
-    words = torch.zeros((n_pairs, n_runs, _WORDS), dtype=torch.int64)
+    words = torch.zeros((n_pairs, n_runs, WORDS), dtype=torch.int64)
     if not n_runs:
-        return words.view(0, _WORDS)
+        return words.view(0, WORDS)
     packed = pairs.packed[:, None]
     row = pairs.row_bytes[:, None]
     length = runs.length[None, :]
@@ -358,138 +286,20 @@ def describe_copies(pairs: Pairs, runs: Runs) -> torch.Tensor:
     height = torch.where(packed, torch.ones_like(length), length)
     for side, start, base, stride in (("dst", runs.dst_start, pairs.dst_ptr, pairs.dst_stride),
                                       ("src", runs.src_start, pairs.src_ptr, pairs.src_stride)):
-        words[:, :, _word(f"{side}.type")] = _OPERAND_TYPE_POINTER  # 4-byte enum in the low half of its word
-        words[:, :, _word(f"{side}.ptr")] = base[:, None] + start[None, :] * stride[:, None]
-        words[:, :, _word(f"{side}.rowLength")] = torch.where(packed, width, stride[:, None])
-    words[:, :, _word("extent.width")] = width
-    words[:, :, _word("extent.height")] = height
-    words[:, :, _word("extent.depth")] = 1
+        words[:, :, word(f"{side}.type")] = OPERAND_TYPE_POINTER  # 4-byte enum in the low half of its word
+        words[:, :, word(f"{side}.ptr")] = base[:, None] + start[None, :] * stride[:, None]
+        words[:, :, word(f"{side}.rowLength")] = torch.where(packed, width, stride[:, None])
+    words[:, :, word("extent.width")] = width
+    words[:, :, word("extent.height")] = height
+    words[:, :, word("extent.depth")] = 1
     # srcAccessOrder and flags share one word: order in the low half, flags (0) in the high half.
     assert DESCRIPTOR_OFFSETS["flags"] == DESCRIPTOR_OFFSETS["srcAccessOrder"] + 4
-    words[:, :, _word("srcAccessOrder")] = _SRC_ACCESS_ORDER_STREAM
-    return words.view(n_pairs * n_runs, _WORDS)
+    words[:, :, word("srcAccessOrder")] = SRC_ACCESS_ORDER_STREAM
+    return words.view(n_pairs * n_runs, WORDS)
 
 
-# ---------------------------------------------------------------------------
-# The CUDA runtime, through ctypes.
-
-def _load_cudart() -> ctypes.CDLL:
-    major = (torch.version.cuda or "").split(".")[0]
-    if not major:
-        raise RuntimeError("torch is a CPU-only build; the direct path on a GPU needs a CUDA build of torch")
-    try:  # the soname resolves to the copy torch already loaded
-        return ctypes.CDLL(f"libcudart.so.{major}")
-    except OSError:
-        pass
-    site = os.path.dirname(os.path.dirname(torch.__file__))
-    patterns = [os.path.join(site, "nvidia", f"cu{major}", "lib", f"libcudart.so.{major}*"),
-                os.path.join(site, "nvidia", "cuda_runtime", "lib", f"libcudart.so.{major}*"),
-                os.path.join(os.path.dirname(torch.__file__), "lib", f"libcudart*.so.{major}*")]
-    for pattern in patterns:
-        for path in sorted(glob.glob(pattern)):
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                continue
-    raise RuntimeError(f"could not load libcudart.so.{major} (torch's CUDA runtime); looked under {site}/nvidia")
-
-
-class CudaRuntime:
-    """The few CUDA runtime calls the direct path and host pinning need."""
-
-    def __init__(self):
-        lib = _load_cudart()
-        self.lib = lib
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-        version = ctypes.c_int()
-        lib.cudaRuntimeGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
-        self.check(lib.cudaRuntimeGetVersion(ctypes.byref(version)), "cudaRuntimeGetVersion")
-        self.version = version.value
-        size_t, ptr = ctypes.c_size_t, ctypes.c_void_p
-        lib.cudaMemcpy2DAsync.argtypes = [ptr, size_t, ptr, size_t, size_t, size_t, ctypes.c_int, ptr]
-        lib.cudaHostRegister.argtypes = [ptr, size_t, ctypes.c_uint]
-        lib.cudaHostUnregister.argtypes = [ptr]
-        lib.cudaPointerGetAttributes.argtypes = [ptr, ptr]
-        self._batch = getattr(lib, "cudaMemcpy3DBatchAsync", None)
-        # CUDA 12.8-12.9 take a failIdx out-pointer that 13.0 dropped.
-        self._batch_has_fail_idx = self.version < 13000
-        if self._batch is not None and self.version >= 12080:
-            self._batch.argtypes = ([size_t, ptr] + ([ptr] if self._batch_has_fail_idx else [])
-                                    + [ctypes.c_ulonglong, ptr])
-        else:
-            self._batch = None
-
-    @property
-    def has_batch(self) -> bool:
-        return self._batch is not None
-
-    def check(self, code: int, what: str) -> None:
-        if code:
-            # Clear the runtime's last-error slot: a later torch check would
-            # otherwise report this (non-sticky) error at an unrelated call.
-            self.lib.cudaGetLastError()
-            text = self.lib.cudaGetErrorString(code) or b"unknown error"
-            raise RuntimeError(f"{what} failed: {text.decode(errors='replace')} (cudaError {code})")
-
-    def memcpy_2d(self, words: torch.Tensor, stream: int) -> None:
-        """One cudaMemcpy2DAsync per descriptor row."""
-        columns = [_word(f) for f in ("dst.ptr", "dst.rowLength", "src.ptr", "src.rowLength",
-                                      "extent.width", "extent.height")]
-        call = self.lib.cudaMemcpy2DAsync
-        for dst, dpitch, src, spitch, width, height in words[:, columns].tolist():
-            code = call(dst, dpitch, src, spitch, width, height, _CUDA_MEMCPY_DEFAULT, stream)
-            if code:
-                self.check(code, f"cudaMemcpy2DAsync(width={width}, height={height})")
-
-    def memcpy_batch(self, words: torch.Tensor, stream: int) -> None:
-        """All descriptors in cudaMemcpy3DBatchAsync calls of at most MAX_BATCH_OPS.
-
-        ``words`` must stay alive until the call returns: the runtime reads the
-        descriptor array during the call (the memory it describes is accessed
-        later, in stream order), so the caller's reference suffices.
-        """
-        assert words.is_contiguous() and words.dtype == torch.int64 and words.shape[1] == _WORDS
-        fail_idx = ctypes.c_size_t(0)
-        for first in range(0, words.shape[0], MAX_BATCH_OPS):
-            chunk = words[first:first + MAX_BATCH_OPS]
-            args = [chunk.shape[0], chunk.data_ptr()]
-            if self._batch_has_fail_idx:
-                args.append(ctypes.addressof(fail_idx))
-            code = self._batch(*args, 0, stream)
-            if code:
-                self.check(code, f"cudaMemcpy3DBatchAsync({chunk.shape[0]} copies)")
-
-    def host_register(self, ptr: int, nbytes: int) -> None:
-        self.check(self.lib.cudaHostRegister(ptr, nbytes, 0), f"cudaHostRegister({nbytes} bytes)")
-
-    def host_unregister(self, ptr: int) -> None:
-        self.check(self.lib.cudaHostUnregister(ptr), "cudaHostUnregister")
-
-    def host_registered(self, ptr: int) -> bool:
-        """Whether host address ``ptr`` is in memory pinned by CUDA, by cudaHostAlloc (torch's pinned
-        memory) or cudaHostRegister (the pools'): one cudaPointerGetAttributes call, whose struct begins
-        with the memory type (cudaMemoryTypeHost is 1). cudaHostGetFlags answers only for the first kind."""
-        attributes = ctypes.create_string_buffer(256)  # struct cudaPointerAttributes: 88 bytes in CUDA 13
-        if self.lib.cudaPointerGetAttributes(attributes, ptr):
-            self.lib.cudaGetLastError()  # clear the non-sticky error, or a later torch check reports it
-            return False
-        return ctypes.c_int.from_buffer(attributes).value == 1
-
-
-_runtime: CudaRuntime | None = None
-_runtime_lock = threading.Lock()
 _batch_failure: str | None = None  # why the batch call was given up in this process, if it was
 _null_stream_helpers: dict[int, torch.cuda.Stream] = {}
-
-
-def cuda_runtime() -> CudaRuntime:
-    global _runtime
-    if _runtime is None:
-        with _runtime_lock:
-            if _runtime is None:
-                _runtime = CudaRuntime()
-    return _runtime
 
 
 def batch_status() -> tuple[bool, str]:
@@ -526,18 +336,21 @@ def copy_rows(pairs, indices_dst, indices_src, *, mode: str = "auto", page_size:
 
 
 def plan_runs(indices_dst, indices_src, page_size: int = 1, *, dst_rows=None, src_rows=None) -> Runs:
-    """The runs of a transfer whose indices name slots; ``dst_rows`` / ``src_rows`` (None: the identity)
-    map a side's slots to the rows of its pair tensors, elementwise on CPU int64 tensors, keeping
-    negative slots negative, and must map a page-aligned slot to the first of ``page_size``
-    consecutive rows. When both sides are whole pages (aligned where a side is mapped), the plan
-    takes one entry per page (whole_pages, page_runs); otherwise one per row (find_runs)."""
-    dst = _host_indices("indices_dst", indices_dst)
-    src = _host_indices("indices_src", indices_src)
+    """The runs of a transfer whose indices name slots, after checking both index tensors (see runs_of)."""
+    return runs_of(*_checked(indices_dst, indices_src), page_size, dst_rows=dst_rows, src_rows=src_rows)
+
+
+def runs_of(dst: torch.Tensor, src: torch.Tensor, page_size: int = 1, *, dst_rows=None, src_rows=None) -> Runs:
+    """The runs of indices the caller checked (contiguous CPU int64 of one length). ``dst_rows`` / ``src_rows``
+    (None: the identity) map a side's slots to the rows of its pair tensors, elementwise on CPU int64 tensors,
+    keeping negative slots negative, and must map a page-aligned slot to the first of ``page_size``
+    consecutive rows (layout.TokenRows does). When both sides are whole pages (aligned where a side is
+    mapped), the plan takes one entry per page (whole_pages, page_runs); otherwise one per row (row_runs)."""
     dst_starts = whole_pages(dst, page_size, aligned=dst_rows is not None)
     src_starts = None if dst_starts is None else whole_pages(src, page_size, aligned=src_rows is not None)
     if src_starts is not None and dst_starts.numel() == src_starts.numel():
         return page_runs(_mapped(dst_rows, dst_starts), _mapped(src_rows, src_starts), page_size)
-    return find_runs(_mapped(dst_rows, dst), _mapped(src_rows, src))
+    return row_runs(_mapped(dst_rows, dst), _mapped(src_rows, src))
 
 
 def _mapped(to_rows, slots: torch.Tensor) -> torch.Tensor:
@@ -609,44 +422,9 @@ class CopyPlan:
         if shift is None:
             return self.words
         words = self.words.clone()
-        words[:, _word("dst.ptr")] += shift[0]
-        words[:, _word("src.ptr")] += shift[1]
+        words[:, word("dst.ptr")] += shift[0]
+        words[:, word("src.ptr")] += shift[1]
         return words
-
-
-class PlanCache:
-    """The CopyPlans of the last few transfers, keyed on their index tensors.
-
-    A key holds each index tensor's identity and version counter (torch bumps
-    it on every in-place write), so a tensor changed in place, or a new tensor
-    at a reused address, plans again. The tensors themselves are kept with
-    their entry, so an id cannot be reused while it is cached. ``capacity``
-    bounds the memory: a plan of N runs costs about 112 B per run and pair.
-    Thread-safe: SGLang loads and backs up from different threads.
-    """
-
-    def __init__(self, capacity: int = 4):
-        self.capacity = capacity
-        self._entries: dict = {}
-        self._lock = threading.Lock()
-
-    def get(self, tensors: tuple, extra, make):
-        """The cached value for ``tensors`` (and the hashable ``extra``), else ``make()``'s, cached."""
-        key = (tuple((id(t), t._version) for t in tensors), extra)
-        with self._lock:
-            entry = self._entries.get(key)
-        if entry is not None and all(a is b for a, b in zip(entry[0], tensors)):
-            return entry[1]
-        value = make()
-        with self._lock:
-            if len(self._entries) >= self.capacity:
-                self._entries.pop(next(iter(self._entries)))  # the oldest
-            self._entries[key] = (tensors, value)
-        return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
 
 
 def _copy_on_cpu(pairs: Pairs, spans: list) -> None:

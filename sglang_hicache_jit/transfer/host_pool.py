@@ -14,21 +14,15 @@ raises: each transfer runs through
 * the **direct** path (direct.py: copy engines, one batched submission per
   transfer) otherwise, and whenever ``io_backend="direct"``.
 
-The choice is made once, at construction, and kept in ``transfer_path`` and
-``transfer_path_reason``; a pool that falls back to the direct path says so
-once, at WARNING.
+Which one runs is route.py's decision: the pool's path once, at construction
+(kept in ``transfer_path`` and ``transfer_path_reason``; a pool that falls
+back to the direct path says so once, at WARNING), then per call for the
+``io_backend`` asked; route.py also plans the direct path's copies.
 
-Host buffers (``L`` host layers, row shape ``R`` = ``(1, D)`` for MLA,
-``(H, Dh)`` for MHA; MHA adds a leading K/V dimension of 2)::
-
-    layer_first        (L, slots, *R)           layer l: buf[l]       (contiguous)
-    page_first         (slots, L, *R)           layer l: buf[:, l]    (slot stride L rows)
-    page_first_direct  (pages, L, P, *R)        layer l: rows of a page contiguous
-
-A ``page_first_direct`` layer has no single slot stride, so the pool views the
-buffer as flat rows starting at layer l's first row and maps each host token
-index ``t`` to ``(t // P) * L * P + t % P``; both paths then see a plain
-strided layer. Layer sharding: a device pool with ``owned_layers=(start,
+Host buffers follow layout.py (``L`` host layers, row shape ``R`` = ``(1, D)``
+for MLA, ``(H, Dh)`` for MHA; MHA adds a leading K/V dimension of 2): one
+layer's rows and the token -> row map of ``page_first_direct`` come from
+there, so both paths see a plain strided layer. Layer sharding: a device pool with ``owned_layers=(start,
 end)`` gets ``end - start`` host layers; device layer ``l`` lives in host layer
 ``l - start`` and other layers are skipped (docs/concepts.md, layer sharding).
 """
@@ -43,15 +37,16 @@ from dataclasses import dataclass
 
 import torch
 
-from . import bounds, direct
+from . import bounds, cuda, direct, route
+from . import layout as host_layout
 from .. import settings
 from .checks import check_dense, check_index_tensor
 from .slot_allocator import SlotAllocator
 
 log = logging.getLogger("sglang_hicache_jit.host_pool")  # its name from before the move to a subpackage (issue 20)
 
-LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-IO_BACKENDS = ("kernel", "direct", "auto", "resident")
+LAYOUTS = host_layout.LAYOUTS
+IO_BACKENDS = route.IO_BACKENDS
 _logged_choices: set = set()  # (path, reason) pairs already logged in this process
 
 
@@ -74,35 +69,6 @@ class MHADevicePool:
     k_buffer: list
     v_buffer: list
     owned_layers: tuple | None = None
-
-
-# Loads whose copies (one page of one layer where the layout keeps it contiguous, else one row) are at least
-# this long, with their indices on the host, go to the copy engines under io_backend="auto"; None: no load
-# does. It was 16 KiB while flat copies could go through the driver's batch call, whose figures those were
-# (H200, 1152-B rows, 8 layers, tools/bench.py layouts, docs/BENCHMARKS.md 2026-12-04: beside back-to-back
-# bf16 matmuls 64-token pages moved 0.72 / 0.89-0.97 of the link at 16K / 64K tokens per layer against the
-# kernel's 0.21 / 0.77-0.79). That call returned wrong rows and is gone; through cudaMemcpy3DBatchAsync
-# each copy costs about 4.3 us more of copy-engine time, so those figures do not hold and loads stay on
-# the kernel, as they did with the driver's call off (its default).
-LOAD_ON_COPY_ENGINES_FROM = None
-
-
-def choose_io_backend(kernel_available: bool, operation: str, *, copy_bytes: int = 0,
-                      indices_on_host: bool = False) -> str:
-    """The ``io_backend="auto"`` policy for ``operation`` ('load' or 'backup').
-
-    Backups, which are off the critical path, take the copy engines: beside a saturating bf16 matmul the
-    kernel's all-layer backup slows the matmul by 44-52%, the copy engines by 2-5% (and page_first backups
-    are staged, staging.py). Loads take the kernel, except copies of at least LOAD_ON_COPY_ENGINES_FROM
-    bytes (``copy_bytes``) whose indices are already on the host (the copy engines are planned on the CPU;
-    GPU indices would cost a host sync), where that is set.
-    """
-    if operation not in ("load", "backup"):
-        raise ValueError(f"operation must be 'load' or 'backup', got {operation!r}")
-    if not kernel_available or operation == "backup":
-        return "direct"
-    threshold = LOAD_ON_COPY_ENGINES_FROM
-    return "direct" if threshold is not None and copy_bytes >= threshold and indices_on_host else "kernel"
 
 
 def _log_choice_once(path: str, reason: str) -> None:
@@ -162,8 +128,7 @@ class HostKVPool:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if page_size > size:  # size is rounded up to whole pages: 4 slots of 2**40-slot pages asked for 70 TB
             raise ValueError(f"page_size ({page_size}) must not exceed size ({size} token slots)")
-        if layout not in LAYOUTS:
-            raise ValueError(f"Unsupported layout: {layout!r} (choose one of {', '.join(LAYOUTS)})")
+        host_layout.check_layout(layout)
         caches = self._device_caches(device_pool)
         self.device_pool = device_pool
         self.layer_num_device = len(caches[0])
@@ -189,8 +154,8 @@ class HostKVPool:
         self.row_shape = tuple(first.shape[1:])
         self.row_bytes = math.prod(self.row_shape) * first.element_size()
         # One direct-path copy: a page of a layer where the layout keeps it contiguous, else one row.
-        strided = layout == "page_first" and self.layer_num > 1
-        self.copy_bytes = self.row_bytes if strided else self.row_bytes * page_size
+        self.copy_bytes = host_layout.copy_bytes(layout, layers=self.layer_num, row_bytes=self.row_bytes,
+                                                 page_size=page_size)
         nbytes = self.size * self.layer_num * self.row_bytes * self.num_caches
         if nbytes >= 1 << 63:  # past what a tensor can address (torch raised an overflow RuntimeError)
             kv = " for K and V" if self.num_caches == 2 else ""
@@ -200,27 +165,23 @@ class HostKVPool:
         self.pin_memory = bool(pin_memory) and first.is_cuda  # pinning only matters with a GPU on the other side
         self.kv_buffer = self._allocate(first.device)
         self._host_rows = self._host_layer_rows()    # [cache][host layer] Rows
+        # Host token -> row of a layer's rows (None: the identity); a key of route.py's plans.
+        self._host_map = host_layout.token_rows(layout, layers=self.layer_num, page_size=page_size, slots=self.size)
         self._device_sides: dict[int, tuple[object, _DeviceSide]] = {}
         self._device_side(device_pool)               # validates the owned layers once
         self._host_table = None
         self.staging_bytes = settings.staging_bytes()  # GPU memory page_first backups may stage through
-        self._plans = direct.PlanCache()  # direct-path plans of the last few transfers (a load's layers share one)
         self.direct_mode = "auto"      # how the direct path submits CUDA copies: direct.MODES
         self.last_direct_mode = None   # what the last direct transfer ran: 'batch', '2d', 'torch' or 'staged'
-        self.transfer_path, self.transfer_path_reason = self._choose_path(first)
+        self.transfer_path, self.transfer_path_reason = route.pool_path(first, pinned=self.pin_memory,
+                                                                        row_bytes=self.row_bytes)
         _log_choice_once(self.transfer_path, self.transfer_path_reason)
         self.allocator = SlotAllocator(self.size, self.page_size)
         self.lock = self.allocator.lock
 
-    def _cache_shape(self) -> tuple:
-        if self.layout == "layer_first":
-            return (self.layer_num, self.size, *self.row_shape)
-        if self.layout == "page_first":
-            return (self.size, self.layer_num, *self.row_shape)
-        return (self.page_num, self.layer_num, self.page_size, *self.row_shape)
-
     def _buffer_shape(self) -> tuple:
-        shape = self._cache_shape()
+        shape = host_layout.buffer_shape(self.layout, layers=self.layer_num, slots=self.size, page_size=self.page_size,
+                                         row_shape=self.row_shape)
         return shape if self.num_caches == 1 else (self.num_caches, *shape)
 
     def _allocate(self, device_of_pool: torch.device) -> torch.Tensor:
@@ -228,7 +189,7 @@ class HostKVPool:
         if self.pin_memory:
             # Register the exact bytes (as upstream does) rather than torch's
             # pinned allocator, which rounds each block up to a power of two.
-            runtime = direct.cuda_runtime()
+            runtime = cuda.cuda_runtime()
             nbytes = buffer.numel() * buffer.element_size()
             try:
                 with torch.cuda.device(device_of_pool):
@@ -241,32 +202,10 @@ class HostKVPool:
             weakref.finalize(buffer, _unregister, runtime, buffer.data_ptr())
         return buffer
 
-    def _host_layer_view(self, buffer: torch.Tensor, layer: int) -> torch.Tensor:
-        """Host layer ``layer`` of one cache as (rows, *row_shape) with a uniform slot stride."""
-        if self.layout == "layer_first":
-            return buffer[layer]
-        if self.layout == "page_first":
-            return buffer[:, layer]
-        # page_first_direct: flat rows from this layer's first row; see translate_host_indices.
-        flat = buffer.view(-1, *self.row_shape)
-        rows = (self.page_num - 1) * self.layer_num * self.page_size + self.page_size
-        return flat[layer * self.page_size: layer * self.page_size + rows]
-
     def _host_layer_rows(self) -> list[list[direct.Rows]]:
-        return [[direct.Rows(self._host_layer_view(buf, h), f"host layer {h}") for h in range(self.layer_num)]
-                for buf in self._cache_buffers()]
-
-    def _choose_path(self, first: torch.Tensor) -> tuple[str, str]:
-        if not first.is_cuda:
-            return "direct", (f"the device pool is on {first.device}, not a GPU: transfers run as plain tensor "
-                              "copies")
-        if not self.pin_memory:
-            return "direct", "the host pool is not pinned (pin_memory=False); the kernel needs pinned host memory"
-        result = probe(self.row_bytes, device=first.device.index)
-        if result.available:
-            return "kernel", f"the probe says: {result.reason}"
-        fix = f" Fix: {result.fix}" if result.fix else ""
-        return "direct", f"the probe says the kernel is unavailable [{result.code}]: {result.reason}{fix}"
+        """[cache][host layer] Rows: each layer of each cache as layout.layer_rows views it."""
+        return [[direct.Rows(host_layout.layer_rows(buf, self.layout, h), f"host layer {h}")
+                 for h in range(self.layer_num)] for buf in self._cache_buffers()]
 
     # -- device pools and indices ------------------------------------------------
     def _device_side(self, device_pool) -> _DeviceSide:
@@ -297,12 +236,9 @@ class HostKVPool:
 
     def translate_host_indices(self, host_indices: torch.Tensor) -> torch.Tensor:
         """Host token indices -> row indices of the per-layer views (identity except
-        for page_first_direct with several layers). Negative indices stay negative; an
-        index past the pool is refused before it is multiplied (bounds.token_rows)."""
-        if self.layout != "page_first_direct" or self.layer_num == 1:
-            return host_indices
-        return bounds.token_rows("host_indices", host_indices, page_size=self.page_size,
-                                 page_rows=self.layer_num * self.page_size, slots=self.size)
+        for page_first_direct with several layers; layout.token_rows). Negative indices
+        stay negative; an index past the pool is refused before it is multiplied."""
+        return host_indices if self._host_map is None else self._host_map(host_indices)
 
     def _check_index_pair(self, host_indices, device_indices) -> None:
         for name, indices in (("host_indices", host_indices), ("device_indices", device_indices)):
@@ -313,17 +249,8 @@ class HostKVPool:
                              f"{device_indices.shape[0]}; they must have the same length")
 
     def _path(self, io_backend, operation: str, device_indices=None) -> str:
-        if io_backend == "direct":
-            return "direct"
-        if io_backend == "kernel":  # the kernel where it works, else the direct path (logged at construction)
-            return self.transfer_path
-        if io_backend == "resident":  # the kernel's resident method (docs/kernels.md), else the direct path
-            return "resident" if self.transfer_path == "kernel" else "direct"
-        if io_backend == "auto":
-            kernel = self.transfer_path == "kernel"
-            return choose_io_backend(kernel, operation, copy_bytes=self.copy_bytes,
-                                     indices_on_host=device_indices is not None and not device_indices.is_cuda)
-        raise ValueError(f"Unsupported IO backend: {io_backend!r} (choose one of {', '.join(IO_BACKENDS)})")
+        return route.io_path(io_backend, operation, pool_path=self.transfer_path, copy_bytes=self.copy_bytes,
+                             device_indices=device_indices)
 
     def _layer(self, layer_id) -> int:
         try:
@@ -396,9 +323,9 @@ class HostKVPool:
             return None
         if side.staging is None:
             side.staging = False
-            if (self.layout == "page_first" and self.layer_num > 1 and self.pin_memory
-                    and self.staging_bytes >= 2 * self.page_size * self.layer_num * self.row_bytes * self.num_caches):
-                # (a budget below two pages would copy a page in pieces: the row copies serve that as well)
+            if route.pool_stages(self.layout, layers=self.layer_num, pinned=self.pin_memory,
+                                 budget_bytes=self.staging_bytes,
+                                 page_bytes=self.page_size * self.layer_num * self.row_bytes * self.num_caches):
                 from . import staging
 
                 start, end = self.owned_layers
@@ -420,24 +347,17 @@ class HostKVPool:
         return self._host_table
 
     def _copy_direct(self, pairs: direct.Pairs, indices_dst, indices_src, *, host_is_dst: bool) -> None:
-        # SGLang's load loop passes the same two index tensors for every layer: the plan made for the first
-        # layer serves the rest (direct.CopyPlan), so the host sync for GPU indices and the planning happen
-        # once per load, not once per layer.
-        plan = self._plans.get((indices_dst, indices_src), (host_is_dst, pairs.geometry),
-                               lambda: self._plan_direct(pairs, indices_dst, indices_src, host_is_dst))
-        self.last_direct_mode = plan.run(pairs, mode=self.direct_mode)
+        # The indices were checked once (_check_index_pair); route.copy plans them once per index bytes, so
+        # SGLang's per-layer load loop, which passes the same indices for every layer, plans the first layer
+        # and rebases that plan for the rest (a changed index is planned again).
+        def check(dst, src):  # when a plan is made: host indices past the pool, named as such
+            bounds.check_rows("host_indices", dst if host_is_dst else src, self.size, pool="the host pool")
 
-    def _plan_direct(self, pairs: direct.Pairs, indices_dst, indices_src, host_is_dst: bool) -> direct.CopyPlan:
-        # GPU indices come back to the CPU here (a host sync): copies are issued from the host.
-        host_indices = (indices_dst if host_is_dst else indices_src).to("cpu", torch.int64)
-        device_indices = (indices_src if host_is_dst else indices_dst).to("cpu", torch.int64)
-        bounds.check_rows("host_indices", host_indices, self.size, pool="the host pool")
-        # Planned one entry per page when the indices are whole pages (direct.plan_runs).
-        to_rows = self.translate_host_indices if self.layout == "page_first_direct" else None
-        host_side, device_side = (host_indices, to_rows), (device_indices, None)
-        (dst, dst_rows), (src, src_rows) = (host_side, device_side) if host_is_dst else (device_side, host_side)
-        runs = direct.plan_runs(dst, src, self.page_size, dst_rows=dst_rows, src_rows=src_rows)
-        return direct.CopyPlan(pairs, runs)
+        host_map = self._host_map
+        self.last_direct_mode = route.copy(pairs, indices_dst, indices_src, page_size=self.page_size,
+                                           dst_map=host_map if host_is_dst else None,
+                                           src_map=None if host_is_dst else host_map,
+                                           mode=self.direct_mode, check=check)
 
     # -- allocator (same semantics as upstream HostKVCache; see slot_allocator) --
     def clear(self) -> None:
@@ -465,13 +385,7 @@ class HostKVPool:
         if start % self.page_size or not 0 <= start < self.size:
             raise ValueError(f"index must be the first token slot of a page (a multiple of {self.page_size} in "
                              f"[0, {self.size})), got {start}")
-        P = self.page_size
-        if self.layout == "layer_first":
-            key = (slice(None), slice(start, start + P))
-        elif self.layout == "page_first":
-            key = (slice(start, start + P),)
-        else:
-            key = (slice(start // P, start // P + 1),)
+        key = host_layout.page_index(self.layout, start, self.page_size)
         return key if self.num_caches == 1 else (slice(None), *key)
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
@@ -564,10 +478,3 @@ def _unregister(runtime, ptr: int) -> None:
         runtime.host_unregister(ptr)
     except RuntimeError:  # at interpreter exit the context may already be gone
         pass
-
-
-def probe(element_size: int, *, device=None):
-    """The kernel probe (module-level so tests can replace it)."""
-    from .probe import probe as run_probe
-
-    return run_probe(element_size, device=device)

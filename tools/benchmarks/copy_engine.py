@@ -2,7 +2,8 @@
 
 * ``plan-cost`` (CPU, no GPU touched): host time of each planning stage of ``direct.copy_rows`` for
   ``--pages`` random pages of one packed pair (CPU indices, as HiCache's host side has them), median of
-  50 calls each.
+  50 calls each, and what a later layer of a load pays instead: a hit in route.py's plan cache (the index
+  bytes compared).
 * ``copy-sizes`` (GPU): one ``cudaMemcpy3DBatchAsync`` call (what the direct path submits; the driver's
   ``cuMemcpyBatchAsync`` is never called, docs/troubleshooting.md) moving 64 MiB in copies of 8 rows to 4 MiB, pages
   placed at random on both sides (host side sorted, as HiCache allocates), random bytes. Each direction
@@ -32,7 +33,7 @@ def run(args, out, name: str) -> int:
 def planning(args, out) -> int:
     import torch
 
-    from sglang_hicache_jit.transfer import direct
+    from sglang_hicache_jit.transfer import direct, route
 
     pages, page_rows, row = args.pages, args.page_rows, args.row
     gen = torch.Generator().manual_seed(0)
@@ -53,12 +54,16 @@ def planning(args, out) -> int:
 
     runs = direct.find_runs(dev_idx, host_idx)
     split = direct.split_runs(runs, max(1, direct.MAX_COPY_BYTES // row))
+    cache = route.PlanCache()
+    make = lambda dst, src: direct.CopyPlan(pairs, direct.runs_of(dst, src, page_rows))  # noqa: E731
+    cache.get(dev_idx, host_idx, "load", make)  # the first layer's plan: later calls hit it
     stages = {
         "find_runs": lambda: direct.find_runs(dev_idx, host_idx),
         "plan_runs (pages)": lambda: direct.plan_runs(dev_idx, host_idx, page_rows),
         "check_bounds": lambda: direct.check_bounds(runs, pairs.dst_rows, pairs.src_rows),
         "split_runs": lambda: direct.split_runs(runs, max(1, direct.MAX_COPY_BYTES // row)),
         "describe_copies": lambda: direct.describe_copies(pairs, split),
+        "plan cache hit": lambda: cache.get(dev_idx, host_idx, "load", make),
     }
     print(f"planning {pages} pages of {page_rows} x {row} B ({pages * page_rows} indices), torch threads "
           f"{torch.get_num_threads()}:")
@@ -102,7 +107,7 @@ def sizes(args, out) -> int:
 
     from sglang_hicache_jit import ops
     from sglang_hicache_jit.bench.workloads import _fill_random
-    from sglang_hicache_jit.transfer import direct
+    from sglang_hicache_jit.transfer import cuda, direct
 
     if not torch.cuda.is_available():
         raise SystemExit("copy-sizes needs a CUDA GPU")
@@ -111,7 +116,7 @@ def sizes(args, out) -> int:
     if not direct.batch_status()[0]:
         print(f"no batch call here: {direct.batch_status()[1]}")
         return 1
-    runtime = direct.cuda_runtime()
+    runtime = cuda.cuda_runtime()
     host = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(2 * total, dtype=torch.uint8, device="cuda")
     _fill_random(host, torch)
