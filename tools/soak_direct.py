@@ -342,10 +342,11 @@ def summary(workers, args, started: float, about: dict, *, finished: bool, hang=
             "row_bytes": sorted(args.row_bytes),
             "calls": total("calls"), "copies": total("copies"), "bytes": total("bytes"), "errors": failed,
             "totals": {"copies": total("copies"), "bytes": total("bytes"), "errors": failed},
-            "host_audits": total("host_audits"), "ragged_calls": total("ragged"), "most_pages_in_a_call": max((w.max_pages for w in workers), default=0),
+            "host_audits": total("host_audits"), "ragged_calls": total("ragged"),
+            "most_pages_in_a_call": max((w.max_pages for w in workers), default=0),
             "most_copies_in_a_call": max((w.max_copies for w in workers), default=0),
-            "modes": modes, "layouts": layouts, "rows": {str(k): rows[k] for k in sorted(rows)}, "failed": failed, "failures": failures, "hang": hang,
-            "machine": about}
+            "modes": modes, "layouts": layouts, "rows": {str(k): rows[k] for k in sorted(rows)},
+            "failed": failed, "failures": failures, "hang": hang, "machine": about}
 
 
 def write(args, document: dict) -> None:

@@ -22,9 +22,10 @@ back to the direct path says so once, at WARNING), then per call for the
 Host buffers follow layout.py (``L`` host layers, row shape ``R`` = ``(1, D)``
 for MLA, ``(H, Dh)`` for MHA; MHA adds a leading K/V dimension of 2): one
 layer's rows and the token -> row map of ``page_first_direct`` come from
-there, so both paths see a plain strided layer. Layer sharding: a device pool with ``owned_layers=(start,
-end)`` gets ``end - start`` host layers; device layer ``l`` lives in host layer
-``l - start`` and other layers are skipped (docs/concepts.md, layer sharding).
+there, so both paths see a plain strided layer. Layer sharding: a device pool
+with ``owned_layers=(start, end)`` gets ``end - start`` host layers; device
+layer ``l`` lives in host layer ``l - start`` and other layers are skipped
+(docs/concepts.md, layer sharding).
 """
 
 from __future__ import annotations
