@@ -201,6 +201,8 @@ def _info() -> dict:
 
 
 def _format_setting(s: dict) -> str:
+    if s.get("retired"):
+        return s["retired"]
     if s["error"]:
         return f"INVALID: {s['error']}"
     value = s["value"]

@@ -31,7 +31,12 @@ RESIDENT_BLOCKS = "SGLANG_HICACHE_JIT_RESIDENT_BLOCKS"
 RESIDENT_IDLE_US = "SGLANG_HICACHE_JIT_RESIDENT_IDLE_US"
 LINEINFO = "SGLANG_HICACHE_JIT_LINEINFO"
 STAGING = "SGLANG_HICACHE_JIT_STAGING"
+# Retired: read by no code path. The driver's cuMemcpyBatchAsync it turned on returned wrong rows without an
+# error and crashed the GPU (Xid 11/32) on driver 580.159.04 (docs/troubleshooting.md); info and doctor say
+# so when it is still set.
 DRIVER_BATCH = "SGLANG_HICACHE_JIT_DRIVER_BATCH"
+RETIRED = {DRIVER_BATCH: "the driver's batch call it turned on returned wrong rows (docs/troubleshooting.md); "
+                         "the package never calls it"}
 # SGLang's own setting (read by sgl-kernel 0.4.7+), which the routed MLA per-layer ops honour the same way.
 SGLANG_BLOCK_QUOTA = "SGLANG_HICACHE_BLOCK_QUOTA"
 
@@ -141,17 +146,6 @@ def sglang_plugin_enabled() -> bool:
     active" with the reason at WARNING (it never stops SGLang); info and doctor show the setting as
     invalid."""
     return _switch(SGLANG_PLUGIN, f"set {SGLANG_PLUGIN}=0 to leave SGLang unchanged, or unset it.")
-
-
-def driver_batch_enabled() -> bool:
-    """SGLANG_HICACHE_JIT_DRIVER_BATCH=1 sends the direct path's flat copies through the driver's
-    cuMemcpyBatchAsync (0.3-0.8 us of copy-engine time a copy, against about 4.3 us in the runtime's
-    cudaMemcpy3DBatchAsync, which takes them otherwise). Off by default: on the H200 (driver 580.159.04) a
-    soak of random heterogeneous batches through it ended in 'unspecified launch failure' within 15-30 s,
-    twice, where the same soak without it held 300 s (docs/troubleshooting.md). Read once per process, at
-    the first direct copy on a GPU."""
-    return _switch(DRIVER_BATCH, f"set {DRIVER_BATCH}=1 to use cuMemcpyBatchAsync, 0 or unset not to.",
-                   default=False)
 
 
 def sglang_block_quota() -> int | None:
@@ -370,7 +364,6 @@ _DESCRIBED = (
     (LOCK_DIR, lambda: str(lock_dir()) if lock_dir() else None, "<cache>/v1/.locks"),
     (TRUSTED_OWNERS, lambda: sorted(trusted_owners()), "root and this user only"),
     (SGLANG_PLUGIN, sglang_plugin_enabled, "on"),
-    (DRIVER_BATCH, driver_batch_enabled, "off (flat copies through cudaMemcpy3DBatchAsync)"),
     (SGLANG_BLOCK_QUOTA, sglang_block_quota, "the measured default CTAs"),
 )
 
@@ -387,4 +380,14 @@ def effective() -> list[dict]:
         except ValueError as exc:  # BadSettingError is one too
             record["error"] = str(exc)
         described.append(record)
+    for name, why in RETIRED.items():  # listed only while still set: it has no effect, say so
+        if _raw(name):
+            described.append({"variable": name, "value": None, "source": "env", "default": "retired",
+                              "error": None, "retired": f"retired, has no effect: {why}"})
     return described
+
+
+def retired_in_use() -> list[str]:
+    """One line per retired variable that is still set (doctor shows them; they change nothing)."""
+    return [f"{name} is set but retired and has no effect ({why}); unset it"
+            for name, why in RETIRED.items() if _raw(name)]

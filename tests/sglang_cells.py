@@ -442,7 +442,7 @@ def main() -> int:
     print(json.dumps({"sglang": version("sglang"), "plugin": {k: status[k] for k in ("registered", "reason")},
                       "patched": status["patched"], "skipped": status["skipped"],
                       "absent": [name for name, _ in status["absent"]]}), flush=True)
-    from sglang_hicache_jit.integrations.sglang import ops as routed
+    from sglang_hicache_jit.transfer import route
     from sglang_hicache_jit.integrations.sglang.plan import LiveFacts, plan
 
     if args.mode == "plugin":  # what the plugin patched, no pools (releases without layer-sharded pools)
@@ -467,7 +467,7 @@ def main() -> int:
             if lacking:
                 raise AssertionError(f"registered hooks need what the pool lacks: {lacking}")
             if transfer:
-                record["path"] = {str(k): ("kernel" if v else "direct") for k, v in routed._kernel_ok.items()}
+                record["path"] = {str(k): ("kernel" if v else "direct") for k, v in route._verdicts.items()}
         except Exception as exc:
             failed += 1
             record.update(ok=False, error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()[-2000:])

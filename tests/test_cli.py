@@ -125,10 +125,27 @@ def test_info_reports_a_bad_setting_instead_of_failing(cache, capsys, monkeypatc
     assert code == 0 and "INVALID: SGLANG_HICACHE_JIT_LOCK_TIMEOUT='soon' cannot be used" in out
 
 
-def test_effective_settings_name_every_variable():
+def test_effective_settings_name_every_variable(monkeypatch):
+    for name in settings.RETIRED:
+        monkeypatch.delenv(name, raising=False)
     constants = {value for name, value in vars(settings).items()
                  if name.isupper() and isinstance(value, str) and value.isupper() and "_" in value}
-    assert constants == {s["variable"] for s in settings.effective()}
+    assert constants - set(settings.RETIRED) == {s["variable"] for s in settings.effective()}
+
+
+def test_a_retired_setting_still_set_is_named_as_having_no_effect(cache, capsys, monkeypatch):
+    """SGLANG_HICACHE_JIT_DRIVER_BATCH turned on the driver's batch call, which returned wrong rows; the package
+    no longer reads it, and info and doctor say so rather than show it as a working switch."""
+    monkeypatch.setenv(settings.DRIVER_BATCH, "1")
+    code, out, _ = run(capsys, "info")
+    line, = [l for l in out.splitlines() if settings.DRIVER_BATCH in l]
+    assert code == 0 and "retired, has no effect" in line
+    shown, = [s for s in run_json(capsys, "info")["settings"] if s["variable"] == settings.DRIVER_BATCH]
+    assert shown["retired"] and shown["error"] is None
+    checks = {c["name"]: c for c in run_json(capsys, "doctor")["checks"]}
+    assert f"{settings.DRIVER_BATCH} is set but retired and has no effect" in checks["settings"]["detail"]
+    monkeypatch.delenv(settings.DRIVER_BATCH)
+    assert settings.DRIVER_BATCH not in run(capsys, "info")[1]
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU answer")

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_hicache_jit import host_pool
-from sglang_hicache_jit.transfer import direct
+from sglang_hicache_jit.transfer import cuda, direct, route
 from sglang_hicache_jit.errors import TransferIndexError
 from sglang_hicache_jit.host_pool import MHADevicePool, MHAHostKVPool, MLADevicePool, MLAHostKVPool
 
@@ -229,19 +229,19 @@ def test_path_choice_reports_the_probe_reason(monkeypatch):
         calls.append((element_size, device))
         return ProbeResult(False, "build_failed", "nvcc said no.", "read the log")
 
-    monkeypatch.setattr(host_pool, "probe", fake_probe)
-    pool = make_host_pool(make_device_pool("mla", 1152, torch.Generator().manual_seed(0)), page_size=16,
-                          layout="page_first")
+    monkeypatch.setattr(route, "probe", fake_probe)
     gpu_layer = _FakeCudaTensor()
-    path, reason = pool._choose_path(gpu_layer)  # this pool is not pinned: no probe needed
+    path, reason = route.pool_path(gpu_layer, pinned=False, row_bytes=1152)  # not pinned: no probe needed
     assert path == "direct" and "not pinned" in reason and not calls
-    pool.pin_memory = True
-    path, reason = pool._choose_path(gpu_layer)
+    path, reason = route.pool_path(gpu_layer, pinned=True, row_bytes=1152)
     assert path == "direct" and calls == [(1152, 0)]
     assert "[build_failed]" in reason and "nvcc said no." in reason and "read the log" in reason
 
-    monkeypatch.setattr(host_pool, "probe", lambda element_size, *, device=None: ProbeResult(True, "ok", "fine."))
-    assert pool._choose_path(gpu_layer) == ("kernel", "the probe says: fine.")
+    monkeypatch.setattr(route, "probe", lambda element_size, *, device=None: ProbeResult(True, "ok", "fine."))
+    assert route.pool_path(gpu_layer, pinned=True, row_bytes=1152) == ("kernel", "the probe says: fine.")
+    pool = make_host_pool(make_device_pool("mla", 1152, torch.Generator().manual_seed(0)), page_size=16,
+                          layout="page_first")
+    assert pool.transfer_path == "direct" and "not a GPU" in pool.transfer_path_reason  # a CPU device pool
 
 
 class _FakeCudaTensor:
@@ -251,45 +251,55 @@ class _FakeCudaTensor:
 
 
 def test_auto_policy_is_one_function():
-    assert host_pool.choose_io_backend(True, "load") == "kernel"
-    assert host_pool.choose_io_backend(True, "backup") == "direct"  # staged: copy engines spare the compute SMs
-    assert host_pool.choose_io_backend(True, "backup", layout="page_first_direct") == "direct"  # staged too
-    assert host_pool.choose_io_backend(True, "backup", layout="layer_first") == "kernel"  # copies of one page each
-    assert host_pool.choose_io_backend(False, "backup", layout="layer_first") == "direct"
-    assert host_pool.choose_io_backend(False, "load") == "direct"
+    assert route.auto_path("load", kernel_ok=True) == "kernel"
+    assert route.auto_path("backup", kernel_ok=True) == "direct"  # staged: copy engines spare the compute SMs
+    assert route.auto_path("backup", kernel_ok=True, layout="page_first_direct") == "direct"  # staged too
+    assert route.auto_path("backup", kernel_ok=True, layout="layer_first") == "kernel"  # one page per copy
+    assert route.auto_path("backup", kernel_ok=False, layout="layer_first") == "direct"
+    assert route.auto_path("load", kernel_ok=False) == "direct"
     with pytest.raises(ValueError, match="operation"):
-        host_pool.choose_io_backend(True, "sideways")
+        route.auto_path("sideways", kernel_ok=True)
 
 
-def test_auto_sends_host_indexed_loads_of_long_copies_to_the_copy_engines():
-    long = {"copy_bytes": host_pool.DIRECT_LOAD_MIN_COPY_BYTES}
-    assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=True, flat_batch=True) == "direct"
-    assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=False) == "kernel"  # no host sync
-    short = {"copy_bytes": host_pool.DIRECT_LOAD_MIN_COPY_BYTES - 4}
-    assert host_pool.choose_io_backend(True, "load", **short, indices_on_host=True, flat_batch=True) == "kernel"
-    assert host_pool.choose_io_backend(True, "load", **long, indices_on_host=True, flat_batch=False) == "kernel"
+def test_auto_sends_host_indexed_loads_of_long_copies_and_few_tokens_to_the_copy_engines():
+    long, short = {"copy_bytes": route.LOAD_ON_COPY_ENGINES_FROM}, {"copy_bytes": route.LOAD_ON_COPY_ENGINES_FROM - 4}
+    few, many = 16 * 1024, route.LOAD_ON_COPY_ENGINES_BELOW_TOKENS
+    assert route.auto_path("load", kernel_ok=True, **long, indices_on_host=True, tokens=few) == "direct"
+    assert route.auto_path("load", kernel_ok=True, **long, indices_on_host=False, tokens=few) == "kernel"  # no sync
+    assert route.auto_path("load", kernel_ok=True, **short, indices_on_host=True, tokens=few) == "kernel"
+    assert route.auto_path("load", kernel_ok=True, **long, indices_on_host=True, tokens=many) == "kernel"
 
 
-@pytest.mark.parametrize("layout, page, copy_rows", [("page_first_direct", 64, 64), ("layer_first", 64, 64),
-                                                     ("page_first", 64, 1), ("page_first_direct", 8, 8)])
-def test_auto_load_path_follows_the_layouts_copy_size(layout, page, copy_rows, monkeypatch):
-    """What the 2026-12-04 H200 figures pin: a 64-token page of one 1152-B layer (72 KiB) is one copy in
-    page_first_direct and layer_first and goes to the copy engines; page_first copies single rows, and
-    8-token pages are 9 KiB copies: both stay on the kernel."""
+@pytest.mark.parametrize("layout, page, copy_rows", [("page_first_direct", 256, 256), ("layer_first", 256, 256),
+                                                     ("page_first_direct", 64, 64), ("page_first", 256, 1)])
+def test_auto_load_path_follows_the_layouts_copy_size(layout, page, copy_rows):
+    """A 256-token page of one 1152-B layer (288 KiB) is one copy in page_first_direct and layer_first and
+    goes to the copy engines below 32K tokens with host indices; 64-token pages (72 KiB) and page_first's
+    single rows stay on the kernel. Backups: staged (copy engines) but layer_first on the kernel."""
     device = MLADevicePool([torch.zeros((1024, 1, 576), dtype=torch.bfloat16) for _ in range(2)])
     pool = MLAHostKVPool(device, size=1024, page_size=page, layout=layout, pin_memory=False)
     assert pool.copy_bytes == copy_rows * 1152
     pool.transfer_path = "kernel"  # as on a GPU where the probe said yes
-    monkeypatch.setattr(host_pool.direct, "driver_batch", lambda: object())  # SGLANG_HICACHE_JIT_DRIVER_BATCH=1
-    expected = "direct" if copy_rows * 1152 >= 16 * 1024 else "kernel"
+    expected = "direct" if copy_rows * 1152 >= route.LOAD_ON_COPY_ENGINES_FROM else "kernel"
     assert pool._path("auto", "load", torch.zeros(1024, dtype=torch.int64)) == expected
-    # Without the driver's call flat copies cost ~4.3 us more each: the measured figures do not hold, so loads
-    # stay on the kernel.
-    monkeypatch.setattr(host_pool.direct, "driver_batch", lambda: None)
-    assert pool._path("auto", "load", torch.zeros(1024, dtype=torch.int64)) == "kernel"
     assert pool._path("auto", "load", _FakeCudaTensor()) == "kernel"
-    # Backups: staged where host pages are contiguous across layers, the kernel for layer_first.
     assert pool._path("auto", "backup") == ("kernel" if layout == "layer_first" else "direct")
+
+
+@pytest.mark.parametrize("layout, page, small", [("page_first", 64, True), ("layer_first", 16, True),
+                                                 ("layer_first", 64, False), ("page_first_direct", 64, False)])
+def test_direct_never_sends_small_copies_to_the_copy_engines_one_by_one(layout, page, small):
+    """io_backend='direct' takes the kernel at one CTA for copies under route.SMALL_COPY_BYTES where the kernel
+    works (page_first's single rows, 16-token pages); a backup the pool stages stays on the copy engines."""
+    device = MLADevicePool([torch.zeros((1024, 1, 576), dtype=torch.bfloat16) for _ in range(2)])
+    pool = MLAHostKVPool(device, size=1024, page_size=page, layout=layout, pin_memory=False)
+    pool.transfer_path = "kernel"
+    assert pool._path("direct", "load", torch.zeros(1024, dtype=torch.int64)) == ("kernel-small" if small else "direct")
+    pool.pin_memory = True  # pinned: page_first staging applies to its backups
+    staged = layout != "layer_first"
+    assert pool._path("direct", "backup") == ("kernel-small" if small and not staged else "direct")
+    pool.transfer_path = "direct"  # no kernel here: the copy engines, whatever the size
+    assert pool._path("direct", "load", torch.zeros(1024, dtype=torch.int64)) == "direct"
 
 
 # ---------------------------------------------------------------------------
@@ -557,7 +567,7 @@ def test_find_runs_rejects_bad_indices():
 def execute_descriptors(words):
     """Runs copy descriptors on host memory with memmove, row by row: an executable
     model of what cudaMemcpy3DBatchAsync is asked to do."""
-    col = {k: v // 8 for k, v in direct.DESCRIPTOR_OFFSETS.items()}
+    col = {k: v // 8 for k, v in cuda.DESCRIPTOR_OFFSETS.items()}
     for w in words.tolist():
         assert w[col["extent.depth"]] == 1 and w[col["src.type"]] == 1 and w[col["dst.type"]] == 1
         assert w[col["srcAccessOrder"]] == 1  # stream order, flags 0 in the high half
@@ -587,13 +597,13 @@ def test_descriptors_copy_exactly_the_addressed_rows(seed):
         expected[dst[keep], l] = dev[l][src[keep]]
     runs = direct.find_runs(dst, src)
     words = direct.describe_copies(pairs, runs)
-    assert words.shape == (layers * len(runs), direct.DESCRIPTOR_BYTES // 8)
+    assert words.shape == (layers * len(runs), cuda.DESCRIPTOR_BYTES // 8)
     execute_descriptors(words)
     assert torch.equal(host, expected)
     # packed pairs (both sides contiguous rows) become one block per run
     a, b = torch.zeros(64, row, dtype=torch.uint8), torch.randint(0, 256, (48, row), dtype=torch.uint8, generator=gen)
     packed = direct.describe_copies(direct.Pairs([(a, b)]), runs)
-    assert (packed[:, direct.DESCRIPTOR_OFFSETS["extent.height"] // 8] == 1).all()
+    assert (packed[:, cuda.DESCRIPTOR_OFFSETS["extent.height"] // 8] == 1).all()
     execute_descriptors(packed)
     reference = torch.zeros(64, row, dtype=torch.uint8)
     reference[dst[keep]] = b[src[keep]]
@@ -669,11 +679,11 @@ def test_batch_descriptor_matches_the_cuda_header(tmp_path):
     facts = dict(line.split() for line in subprocess.run([str(binary)], capture_output=True, text=True,
                                                         check=True).stdout.splitlines())
     facts = {k: int(v) for k, v in facts.items()}
-    assert facts.pop("size") == direct.DESCRIPTOR_BYTES == 112
-    assert facts.pop("cudaMemcpyDefault") == direct._CUDA_MEMCPY_DEFAULT
-    assert facts.pop("cudaMemcpySrcAccessOrderStream") == direct._SRC_ACCESS_ORDER_STREAM
-    assert facts.pop("cudaMemcpyOperandTypePointer") == direct._OPERAND_TYPE_POINTER
-    assert facts == direct.DESCRIPTOR_OFFSETS
+    assert facts.pop("size") == cuda.DESCRIPTOR_BYTES == 112
+    assert facts.pop("cudaMemcpyDefault") == cuda.CUDA_MEMCPY_DEFAULT
+    assert facts.pop("cudaMemcpySrcAccessOrderStream") == cuda.SRC_ACCESS_ORDER_STREAM
+    assert facts.pop("cudaMemcpyOperandTypePointer") == cuda.OPERAND_TYPE_POINTER
+    assert facts == cuda.DESCRIPTOR_OFFSETS
 
 
 # ---------------------------------------------------------------------------
@@ -859,7 +869,7 @@ def test_whole_pages_are_planned_per_page(layout, monkeypatch):
     def per_row(*args):
         raise AssertionError("planned per row")
 
-    monkeypatch.setattr(direct, "find_runs", per_row)
+    monkeypatch.setattr(direct, "row_runs", per_row)
     round_trip("mla", layout, 16, 1152, False, "direct", seed=3, rounds=1)
     with pytest.raises(AssertionError, match="per row"):  # padding falls back to per-row planning
         round_trip("mla", layout, 16, 1152, False, "direct", seed=3, rounds=2)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sglang_hicache_jit import host_pool, ops
-from sglang_hicache_jit.transfer import direct
+from sglang_hicache_jit.transfer import cuda, direct, route
 from sglang_hicache_jit.probe import ProbeResult, probe
 
 from test_host_pool import (LAYOUTS, PAGE_SIZES, ROW_BYTES, as_bytes, make_device_pool, make_host_pool,
@@ -95,7 +95,7 @@ def test_on_a_side_stream(io_backend):
 def test_sharded_backup_with_the_kernel_unavailable(monkeypatch, kind, layout):
     """The upstream failure ('Layer-sharded MLA HiCache backup with page_first layout requires
     the JIT one-layer kernel.') becomes the direct path, on a real GPU."""
-    monkeypatch.setattr(host_pool, "probe", lambda element_size, *, device=None: ProbeResult(
+    monkeypatch.setattr(route, "probe", lambda element_size, *, device=None: ProbeResult(
         False, "build_failed", "pretend the build failed.", "see the log"))
 
     def configure(pool):
@@ -123,7 +123,7 @@ def test_pools_release_their_pinned_memory(monkeypatch):
     """cudaHostRegister'd buffers are unregistered once the pool and its views are gone."""
     import gc
 
-    runtime = direct.cuda_runtime()
+    runtime = cuda.cuda_runtime()
     released = []
     real = runtime.host_unregister
     monkeypatch.setattr(runtime, "host_unregister", lambda ptr: (released.append(ptr), real(ptr)))

@@ -20,7 +20,7 @@ from sglang_hicache_jit import compat, ops
 from sglang_hicache_jit.errors import TransferIndexError
 from sglang_hicache_jit.host_pool import MHADevicePool, MHAHostKVPool, MLADevicePool, MLAHostKVPool
 from sglang_hicache_jit.integrations.sglang import ops as routed
-from sglang_hicache_jit.transfer import direct
+from sglang_hicache_jit.transfer import cuda, direct
 
 pytestmark = pytest.mark.gpu
 
@@ -83,7 +83,7 @@ WRAPPING = {
 }
 
 
-@pytest.mark.parametrize("mode", ["auto", "batch", "batch3d", "2d"])
+@pytest.mark.parametrize("mode", ["auto", "batch", "2d"])
 @pytest.mark.parametrize("to_device", [True, False], ids=["h2d", "d2h"])
 @pytest.mark.parametrize("strided", [False, True], ids=["packed", "strided"])
 @pytest.mark.parametrize("case", WRAPPING, ids=list(WRAPPING))
@@ -251,7 +251,7 @@ _UNREGISTER = textwrap.dedent("""
     from sglang_hicache_jit import ops
     from sglang_hicache_jit.transfer import direct
 
-    runtime = direct.cuda_runtime()
+    runtime = cuda.cuda_runtime()
     pinned = torch.empty((8, 64), dtype=torch.uint8, pin_memory=True)  # cudaHostAlloc
     assert runtime.host_registered(pinned.data_ptr()) and runtime.host_registered(pinned[3].data_ptr())
     assert not runtime.host_registered(torch.empty((8, 64), dtype=torch.uint8).data_ptr())

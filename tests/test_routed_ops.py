@@ -78,8 +78,8 @@ def test_direct_ops_move_the_right_rows_planned_per_page_when_they_can(padded, m
     from sglang_hicache_jit.transfer import direct
 
     per_row = []
-    find_runs = direct.find_runs
-    monkeypatch.setattr(direct, "find_runs", lambda *a: per_row.append(1) or find_runs(*a))
+    row_runs = direct.row_runs
+    monkeypatch.setattr(direct, "row_runs", lambda *a: per_row.append(1) or row_runs(*a))
     host, dev, h, d = _direct_case(padded)
     keep = h >= 0
     expected_host = host.clone()

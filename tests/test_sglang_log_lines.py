@@ -79,7 +79,8 @@ logging.basicConfig(level=logging.INFO, format=fmt, force=True)  # what SGLang's
 print("MARK logging configured", file=sys.stderr, flush=True)
 from sglang_hicache_jit.integrations.sglang import ops as routed
 if force_kernel:
-    routed._kernel_ok[1152] = True  # as on a GPU where the probe said ok
+    from sglang_hicache_jit.transfer import route
+    route._verdicts[1152] = True  # as on a GPU where the probe said ok
 import sglang_cells
 for _ in range(2):
     built = sglang_cells.mla_pool(layout=layout, sharded=False, dtype=torch.bfloat16, dim=576, device="cpu", pin=False)

@@ -34,6 +34,9 @@ def test_a_smoke_run_covers_every_layout_both_ways_and_holds(soak, tmp_path, cap
     assert document["calls"] > 20 and document["copies"] >= document["calls"] and document["bytes"] > 0
     assert set(document["layouts"]) == {f"{d} {layout}" for d in ("h2d", "d2h") for layout in soak.LAYOUTS}
     assert document["modes"] == {"torch": document["calls"]} and document["machine"]["device"] == "cpu"
+    assert document["totals"] == {"copies": document["copies"], "bytes": document["bytes"], "errors": 0}
+    assert document["ragged_calls"] > 0 and set(document["rows"]) <= {str(r) for r in soak.ROW_BYTES}
+    assert {132, 256, 512, 576, 656, 1152, 2048, 4096} == set(soak.ROW_BYTES) == set(document["row_bytes"])
     assert "every check held" in capsys.readouterr().out
 
 
@@ -59,6 +62,7 @@ def test_a_wrong_copy_is_caught_and_fails_the_run(soak, tmp_path, monkeypatch, c
                       "--out", str(out)])
     document = json.loads(out.read_text())
     assert code == soak.EXIT_FAILED and not document["ok"] and document["failed"] > 0
+    assert document["totals"]["errors"] == document["failed"]
     problems = " ".join(f["problem"] for f in document["failures"])
     assert "rows differ from the source" in problems or "outside the addressed rows" in problems
     assert "FAILED" in capsys.readouterr().err
@@ -104,6 +108,8 @@ def test_the_watchdog_reports_a_hang_and_exits(tmp_path):
 
 @pytest.mark.parametrize("argv, words", [(["--threads", "0"], "--threads must be at least 1"),
                                          (["--seconds", "-1"], "--seconds must be above 0"),
+                                         (["--row-bytes", "132,x"], "not a comma-separated list"),
+                                         (["--row-bytes", "0"], "at least 1 byte"),
                                          (["--max-pages", "0"], "--max-pages must be at least 1")])
 def test_bad_options_are_one_clear_error(soak, capsys, argv, words):
     with pytest.raises(SystemExit) as exit_:
@@ -115,6 +121,14 @@ def test_an_out_path_that_is_a_directory_is_refused(soak, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         soak.parse(["--smoke", "--out", str(tmp_path)])
     assert exit_.value.code == 2 and "is a directory" in capsys.readouterr().err
+
+
+def test_a_row_bytes_list_limits_the_rows(soak, tmp_path):
+    out = tmp_path / "soak.json"
+    assert soak.main(["--smoke", "--device", "cpu", "--seconds", "0.5", "--threads", "1", "--row-bytes", "132,656",
+                      "--out", str(out)]) == 0
+    document = json.loads(out.read_text())
+    assert set(document["rows"]) <= {"132", "656"} and document["row_bytes"] == [132, 656]
 
 
 def test_without_a_gpu_only_the_smoke_runs(soak):
@@ -132,5 +146,6 @@ def test_a_short_soak_on_the_gpu_holds(soak, tmp_path):
                       "--mode", "mixed", "--out", str(out)])
     document = json.loads(out.read_text())
     assert code == 0 and document["ok"], document["failures"]
-    assert set(document["modes"]) <= {"batch", "batch3d", "2d"} and document["calls"] > 10
+    assert set(document["modes"]) <= {"batch", "2d"} and document["calls"] > 10 and document["errors"] == 0
+    assert set(document["rows"]) <= {str(r) for r in soak.ROW_BYTES}
     assert document["machine"]["gpu"] and document["machine"]["runtime"]

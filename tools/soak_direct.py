@@ -1,23 +1,24 @@
 #!/usr/bin/env python3
 """Soak of the direct path (copy engines): random heterogeneous batches, bit-exact, with a hang watchdog.
 
-Why it exists: a crash or hang inside the CUDA driver's ``cuMemcpyBatchAsync`` cannot be caught by any
-Python code, and such failures have been reported elsewhere on large or repeated heterogeneous scatter
-batches with the driver the lent H200 runs (issue 26). This runs such batches for as long as asked and
-reports, so a driver can be checked before ``SGLANG_HICACHE_JIT_DRIVER_BATCH=1`` turns that call on
-(docs/troubleshooting.md: on the lent H200 it failed this soak within 30 s, so it is off by default).
+Why it exists: a wrong copy or a hang inside the CUDA driver cannot be caught by any Python code. The driver's
+``cuMemcpyBatchAsync`` did both on the lent H200 (driver 580.159.04: wrong rows without an error, and Xid
+11/32 crashes; docs/troubleshooting.md), so the package no longer calls it. This soaks what the defaults and
+every documented switch still send to the GPU: every copy of a transfer in one ``cudaMemcpy3DBatchAsync``
+call (``mode='batch'``, what ``auto`` picks), or one ``cudaMemcpy2DAsync`` per copy (``mode='2d'``, what
+``auto`` picks for pageable memory and CUDA graphs); ``--mode mixed`` (the default) picks one per call.
 
-    SGLANG_HICACHE_JIT_DRIVER_BATCH=1 PYTHONPATH=. python3 tools/soak_direct.py --seconds 300 --threads 2 --out soak.json
-    PYTHONPATH=. python3 tools/soak_direct.py --seconds 300 --threads 2 --out soak.json   # without it
+    PYTHONPATH=. python3 tools/soak_direct.py --seconds 300 --threads 2 --out soak.json
     PYTHONPATH=. python3 tools/soak_direct.py --smoke --device cpu --out /tmp/soak.json   # the logic, no GPU
 
 Each thread has its own CUDA stream and its own buffers: a host source and destination (pinned), a device
 source and destination, each inside guard bytes. Every call picks at random: the direction (host->GPU or
 GPU->host), the host layout (``layer_first``, ``page_first``, ``page_first_direct``; the device side is
-layer-first, as SGLang's), the layer count, the row size, the page size, up to ``--max-pages`` whole pages
-(default 30,000, log-uniform, so small and huge calls both come), sorted or not, sometimes one long run,
-sometimes not whole pages (single tokens, some pairs skipped with -1), one layer or all. It then goes
-through ``direct.plan_runs`` and ``direct.copy_runs`` (what the host pools call) and checks:
+layer-first, as SGLang's), the layer count, the row size (``--row-bytes``: by default every row SGLang's
+pools use, 132 B of the DSA indexer up to 4096 B), the page size, up to ``--max-pages`` whole pages (default
+30,000, log-uniform, so small and huge calls both come), sorted or not, sometimes one long run, sometimes
+ragged (not whole pages: single tokens, some pairs skipped with -1), one layer or all. It then goes through
+``direct.plan_runs`` and ``direct.copy_runs`` (what the host pools call) and checks:
 
 * every addressed row against the source as plain torch indexing reads it (bit-exact);
 * the guard bytes around every destination (a write outside it);
@@ -27,8 +28,8 @@ through ``direct.plan_runs`` and ``direct.copy_runs`` (what the host pools call)
 A watchdog thread reports a hang: when a thread makes no progress for ``--hang-seconds`` it prints which
 thread, which call and what that call was, writes the summary with ``hang`` set, and exits 3 (a call stuck
 in the driver cannot be interrupted). The summary (``--out``, JSON) is also written every
-``--snapshot-seconds`` with ``finished: false``, so a crash leaves the last one: calls, copies, bytes,
-modes, failures, and the driver (version from the driver itself and from nvidia-smi), runtime, torch and
+``--snapshot-seconds`` with ``finished: false``, so a crash leaves the last one: calls, the totals (copies,
+bytes, errors), modes, layouts, row sizes, failures, and the driver (from nvidia-smi), runtime, torch and
 GPU. Exit 0: every check held; 1: a check failed or a call raised; 2: bad options; 3: a hang.
 """
 
@@ -51,14 +52,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from sglang_hicache_jit import settings  # noqa: E402
 from sglang_hicache_jit.safeio import check_output, write_output  # noqa: E402
-from sglang_hicache_jit.transfer import direct  # noqa: E402
+from sglang_hicache_jit.transfer import cuda, direct  # noqa: E402
+from sglang_hicache_jit.transfer import layout as host_layout  # noqa: E402
 
-LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-ROW_BYTES = (4, 36, 256, 576, 656, 1152, 2048, 4096)
+LAYOUTS = host_layout.LAYOUTS
+# Every row size SGLang's pools use: the DSA indexer's 132 B, MHA heads, MLA's 576 (FP8) and 1152 (bf16)...
+ROW_BYTES = (132, 256, 512, 576, 656, 1152, 2048, 4096)
 PAGE_SIZES = (1, 2, 4, 16, 32, 64, 128, 256)
 LAYERS = (1, 2, 4, 8)
+MODES = direct.MODES  # every submission a user can ask for: 'auto' and what it picks, 'batch' and '2d'
 # Pages a call chooses among on each side: small rows would otherwise make hundreds of millions of slots, and
 # a random permutation of them costs seconds and gigabytes per call. A million pages keep calls sparse enough.
 MAX_CHOICE_PAGES = 1 << 20
@@ -101,16 +104,11 @@ def slots_of(region_bytes: int, layers: int, row: int, page: int) -> int:
 
 def layer_view(flat: torch.Tensor, layout: str, layers: int, row: int, page: int, slots: int, layer: int):
     """(rows, to_rows) of one layer of a region laid out as ``layout``: ``rows`` is a 2-D view (slot, row
-    bytes) and ``to_rows`` maps slots to its rows (None: the identity), as the host pools view theirs."""
-    used = flat[:layers * slots * row]
-    if layout == "layer_first":
-        return used.view(layers, slots, row)[layer], None
-    if layout == "page_first":
-        return used.view(slots, layers, row)[:, layer], None
-    pages = slots // page  # page_first_direct: (pages, layers, page, row)
-    rows = used.view(pages * layers * page, row)[layer * page:]
-    stride = layers * page
-    return rows, lambda t: torch.where(t >= 0, (t // page) * stride + t % page, t)
+    bytes) and ``to_rows`` maps slots to its rows (None: the identity), as the host pools view theirs
+    (transfer/layout.py)."""
+    shape = host_layout.buffer_shape(layout, layers=layers, slots=slots, page_size=page, row_shape=(row,))
+    rows = host_layout.layer_rows(flat[:layers * slots * row].view(shape), layout, layer)
+    return rows, host_layout.token_rows(layout, layers=layers, page_size=page, slots=slots, name="host slots")
 
 
 # ---------------------------------------------------------------------------
@@ -119,15 +117,15 @@ def layer_view(flat: torch.Tensor, layout: str, layers: int, row: int, page: int
 class Call:
     """The random choices of one transfer."""
 
-    def __init__(self, rng: random.Random, gen: torch.Generator, sides: dict, max_pages: int):
+    def __init__(self, rng: random.Random, gen: torch.Generator, sides: dict, max_pages: int, row_bytes):
         self.direction = rng.choice(("h2d", "d2h"))
         self.layout = rng.choice(LAYOUTS)
         self.layers = rng.choice(LAYERS)
-        self.row = rng.choice(ROW_BYTES)
+        self.row = rng.choice(row_bytes)
         smallest = min(sides.values())
         fitting = [p for p in PAGE_SIZES if slots_of(smallest, self.layers, self.row, p) >= p]
         if not fitting:  # rows of all these layers do not fit the (--smoke) buffers: the smallest case
-            self.layers, self.row, fitting = 1, 4, [1]
+            self.layers, self.row, fitting = 1, min(row_bytes), [1]
         self.page = rng.choice(fitting)
         cap = MAX_CHOICE_PAGES * self.page
         self.host_slots = min(cap, slots_of(sides["host"], self.layers, self.row, self.page))
@@ -190,6 +188,8 @@ class Worker:
         self.calls = self.copies = self.bytes = self.host_audits = 0
         self.modes: dict = {}
         self.layouts: dict = {}
+        self.rows: dict = {}  # calls per row size
+        self.ragged = 0  # calls that were not whole pages
         self.max_pages = self.max_copies = 0
         self.failures: list = []
         self.failed = 0
@@ -226,7 +226,7 @@ class Worker:
     def one_call(self) -> None:
         self.calls += 1
         self.mark("planning", "")
-        call = Call(self.rng, self.gen, self.sizes, self.args.max_pages)
+        call = Call(self.rng, self.gen, self.sizes, self.args.max_pages, self.args.row_bytes)
         to_host = call.direction == "d2h"
         audit = not to_host or self.calls % self.args.audit_every == 0
         dst_region = self.host_dst if to_host else self.dev_dst
@@ -248,7 +248,7 @@ class Worker:
         else:
             pairs, dst_idx, src_idx = list(zip(dev, host)), call.dev_idx, call.host_idx
             dst_map, src_map = None, host_map
-        mode = self.args.mode if self.args.mode != "mixed" else self.rng.choice(direct.MODES)
+        mode = self.args.mode if self.args.mode != "mixed" else self.rng.choice(MODES)
         self.mark("planning", call.describe() + f" mode={mode}")
         runs = direct.plan_runs(dst_idx, src_idx, call.page, dst_rows=dst_map, src_rows=src_map)
         copies = len(runs) * len(pairs)
@@ -264,6 +264,8 @@ class Worker:
         self.modes[ran] = self.modes.get(ran, 0) + 1
         key = f"{call.direction} {call.layout}"
         self.layouts[key] = self.layouts.get(key, 0) + 1
+        self.rows[call.row] = self.rows.get(call.row, 0) + 1
+        self.ragged += call.ragged
         self.max_pages, self.max_copies = max(self.max_pages, call.pages), max(self.max_copies, copies)
 
     def check(self, call, pairs, dst_idx, src_idx, dst_map, src_map, layers, to_host, audit) -> None:
@@ -308,14 +310,11 @@ class _nothing:
 
 def machine(device: str) -> dict:
     """What the results were measured on; each part None where it cannot be read."""
-    info = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "device": device,
-            f"{settings.DRIVER_BATCH}": os.environ.get(settings.DRIVER_BATCH)}
+    info = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "device": device}
     if device != "cuda":
         return info
     info["gpu"] = torch.cuda.get_device_name()
-    info["runtime"] = direct.cuda_runtime().version
-    driver = direct.driver_batch()
-    info["driver_api"] = driver.version if driver is not None else None
+    info["runtime"] = cuda.cuda_runtime().version
     info["batch"] = direct.batch_status()[1]
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
@@ -330,22 +329,24 @@ def summary(workers, args, started: float, about: dict, *, finished: bool, hang=
     def total(name):
         return sum(getattr(w, name) for w in workers)
 
-    modes, layouts = {}, {}
+    modes, layouts, rows = {}, {}, {}
     for w in workers:
-        for key, value in w.modes.items():
-            modes[key] = modes.get(key, 0) + value
-        for key, value in w.layouts.items():
-            layouts[key] = layouts.get(key, 0) + value
+        for mine, into in ((w.modes, modes), (w.layouts, layouts), (w.rows, rows)):
+            for key, value in mine.items():
+                into[key] = into.get(key, 0) + value
     failures = [f for w in workers for f in w.failures]
     failed = total("failed")
     return {"tool": "tools/soak_direct.py", "finished": finished, "ok": finished and not failed and hang is None,
             "seconds": round(time.monotonic() - started, 1), "asked_seconds": args.seconds, "threads": args.threads,
             "mode": args.mode, "max_pages": args.max_pages, "seed": args.seed,
-            "calls": total("calls"), "copies": total("copies"), "bytes": total("bytes"),
-            "host_audits": total("host_audits"), "most_pages_in_a_call": max((w.max_pages for w in workers), default=0),
+            "row_bytes": sorted(args.row_bytes),
+            "calls": total("calls"), "copies": total("copies"), "bytes": total("bytes"), "errors": failed,
+            "totals": {"copies": total("copies"), "bytes": total("bytes"), "errors": failed},
+            "host_audits": total("host_audits"), "ragged_calls": total("ragged"),
+            "most_pages_in_a_call": max((w.max_pages for w in workers), default=0),
             "most_copies_in_a_call": max((w.max_copies for w in workers), default=0),
-            "modes": modes, "layouts": layouts, "failed": failed, "failures": failures, "hang": hang,
-            "machine": about}
+            "modes": modes, "layouts": layouts, "rows": {str(k): rows[k] for k in sorted(rows)},
+            "failed": failed, "failures": failures, "hang": hang, "machine": about}
 
 
 def write(args, document: dict) -> None:
@@ -385,8 +386,10 @@ def parse(argv):
     parser.add_argument("--max-pages", type=int, default=None, help="most whole pages in one call (default 30000)")
     parser.add_argument("--host-mib", type=int, default=None, help="each host buffer per thread (default 2040)")
     parser.add_argument("--device-mib", type=int, default=None, help="each device buffer per thread (default 2040)")
-    parser.add_argument("--mode", default="auto", choices=(*direct.MODES, "mixed"),
-                        help="the direct path's submission (mixed: a random one per call)")
+    parser.add_argument("--mode", default="mixed", choices=(*MODES, "mixed"),
+                        help="the direct path's submission (default mixed: a random one of auto, batch, 2d per call)")
+    parser.add_argument("--row-bytes", type=_row_list, default=ROW_BYTES, metavar="B[,B...]",
+                        help=f"row sizes a call picks among (default {','.join(map(str, ROW_BYTES))})")
     parser.add_argument("--hang-seconds", type=float, default=120.0, help="no progress for this long is a hang")
     parser.add_argument("--snapshot-seconds", type=float, default=10.0, help="how often the summary is rewritten")
     parser.add_argument("--audit-every", type=int, default=8,
@@ -415,6 +418,16 @@ def parse(argv):
         except ValueError as exc:
             parser.error(str(exc))
     return args
+
+
+def _row_list(text: str) -> tuple:
+    try:
+        rows = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of byte counts") from None
+    if not rows or any(r < 1 for r in rows):
+        raise argparse.ArgumentTypeError(f"{text!r}: every row size must be at least 1 byte")
+    return rows
 
 
 def run(args) -> dict:
@@ -473,8 +486,8 @@ def main(argv=None) -> int:
     args = parse(argv)
     document = run(args)
     line = (f"soak: {document['seconds']} s, {args.threads} threads: {document['calls']} calls, {document['copies']} "
-            f"copies, {document['bytes'] / 1e9:.1f} GB, most pages in a call {document['most_pages_in_a_call']}, "
-            f"modes {document['modes']}: "
+            f"copies, {document['bytes'] / 1e9:.1f} GB, {document['errors']} errors, most pages in a call "
+            f"{document['most_pages_in_a_call']}, modes {document['modes']}, rows {document['rows']}: "
             + ("every check held" if document["ok"] else f"{document['failed']} FAILED"))
     print(line)
     return 0 if document["ok"] else EXIT_FAILED

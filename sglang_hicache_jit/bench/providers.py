@@ -32,7 +32,7 @@ def check_provider(name: str) -> None:
     except (ValueError, IndexError) as exc:
         raise ValueError(f"bad provider {name!r}: {exc}") from None
     raise ValueError(f"unknown provider {name!r} (ceiling, jit[-plain|-bulk|-resident][-qN][-rR][-wW][-aA], "
-                     "upstream[-reg|-tma][-qN], direct[-batch3d|-2d], torch-index, per-page)")
+                     "upstream[-reg|-tma][-qN], direct[-2d], torch-index, per-page)")
 
 
 def family(provider: str) -> str:
@@ -56,7 +56,7 @@ def _build_or_skip(provider, skipped: set, *args):
 
 
 # The copy engines (direct.py) by submission: 'direct' as the pools call it (auto), the others forced.
-DIRECT_PROVIDERS = {"direct": "auto", "direct-batch3d": "batch3d", "direct-2d": "2d"}
+DIRECT_PROVIDERS = {"direct": "auto", "direct-2d": "2d"}
 
 
 def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_idx, page_size, scratch):
@@ -69,8 +69,6 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
         return upstream.build_call(up, provider, pools, scope, to_device, layer, host_idx.cuda(),
                                          dev_idx.cuda(), page_size, LAYERS)
 
-    import torch
-
     from ..transfer import ops
 
     host_views = [buf[:, layer] for buf in pools.host]
@@ -78,10 +76,14 @@ def build_call(provider, pools: Pools, scope, direction, layer, host_idx, dev_id
     if pools.layout == "page_first_direct":
         if scope == "all":
             raise Unavailable("page_first_direct is measured one layer at a time")
-        # A layer's rows of page p start at row (p * LAYERS + layer) * page_size of the flat buffer.
-        host_views = [buf.view(-1, pools.row_bytes)[layer * page_size:] for buf in pools.host]
-        host_idx = (torch.div(host_idx, page_size, rounding_mode="floor") * (LAYERS * page_size)
-                    + host_idx % page_size)
+        # The same bytes read as (pages, LAYERS, page_size, row): a layer's flat rows and its token -> row map.
+        from ..transfer import layout
+
+        pages = pools.host_slots // page_size
+        host_views = [layout.layer_rows(buf[:pages * page_size].view(pages, LAYERS, page_size, pools.row_bytes),
+                                        "page_first_direct", layer) for buf in pools.host]
+        host_idx = layout.token_rows("page_first_direct", layers=LAYERS, page_size=page_size,
+                                     slots=pages * page_size)(host_idx)
     caches = pools.caches
     host_cuda, dev_cuda = host_idx.cuda(), dev_idx.cuda()
     n = host_idx.numel()

@@ -78,9 +78,10 @@ def _settings_checks() -> list[Check]:
             reader()
         except ValueError as exc:  # BadSettingError is one
             problems.append(exc.reason if isinstance(exc, HicacheJitError) else str(exc))
+    retired = "".join(f"; {line}" for line in settings.retired_in_use())
     if problems:
-        return [_problem("settings", "; ".join(problems), "correct the environment variables named above.")]
-    return [_ok("settings", "every SGLANG_HICACHE_JIT_* variable parses")]
+        return [_problem("settings", "; ".join(problems) + retired, "correct the environment variables named above.")]
+    return [_ok("settings", "every SGLANG_HICACHE_JIT_* variable parses" + retired)]
 
 
 def _torch_check() -> tuple[Check, dict | None]:

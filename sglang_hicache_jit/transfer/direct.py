@@ -1,9 +1,5 @@
 """The direct path: row copies done by the GPU's copy engines, no kernels, no JIT.
 
-Why one long module: it is one path from index lists to copies: steps 1-3 below are pure functions,
-step 4 the ctypes bindings they feed (structs, cudart and libcuda look-up), and the plan's types are
-shared by both halves; nothing else uses the bindings.
-
 Every transfer is a list of ``(dst, src)`` row tensors (one pair per layer and
 cache) plus one pair of index lists shared by all of them, as in ops.py:
 row ``src[indices_src[i]]`` goes to ``dst[indices_dst[i]]``; a negative index
@@ -18,52 +14,40 @@ on either side skips its pair. The flow:
    fixed stride on each side, so a run is one 2-D copy (width = row bytes,
    pitch = slot stride, height = run length); when both strides equal the row
    size it is one flat copy of ``length * row`` bytes (cut at MAX_COPY_BYTES);
-4. execution: CUDA tensors -> the flat copies (packed runs: a page of a
-   ``page_first_direct`` or ``layer_first`` layer, consecutive pages merged)
-   in one driver ``cuMemcpyBatchAsync`` call, and the strided ones (rows of a
-   ``page_first`` layer) in one ``cudaMemcpy3DBatchAsync`` call (CUDA 12.8+);
-   one ``cudaMemcpy2DAsync`` per copy where the batch calls are missing, host
-   memory is pageable, or the stream is being captured into a CUDA graph.
-   CPU tensors (no GPU) -> one tensor slice copy per run, so CI runs the same
-   plan.
+4. execution: CUDA tensors -> every copy, flat (packed runs: a page of a
+   ``page_first_direct`` or ``layer_first`` layer) or strided (rows of a
+   ``page_first`` layer), in one ``cudaMemcpy3DBatchAsync`` call (CUDA 12.8+);
+   one ``cudaMemcpy2DAsync`` per copy where that call is missing, host memory
+   is pageable, or a CUDA graph is being captured. (The driver's
+   ``cuMemcpyBatchAsync`` returned wrong rows on driver 580.159.04 and is
+   never called: docs/troubleshooting.md.) CPU tensors -> one tensor slice
+   copy per run, so CI runs the same plan.
 
-The CUDA runtime is the ``libcudart`` torch already loaded, and the driver
-``libcuda``, both called through ctypes on the current stream of the
-tensors' device. Steps 1-3 are pure functions, testable without a GPU.
+The CUDA runtime is torch's ``libcudart``, through ctypes (cuda.py), on the
+current stream of the tensors' device. Which transfers come here, and the
+cache that keeps a load's plan for all its layers, are route.py's.
 """
 
 from __future__ import annotations
 
-import ctypes
-import glob
 import logging
-import os
-import sys
-import threading
 
 import torch
 
-from .. import settings
 from .bounds import PAST_THE_END, check_rows
 from .checks import check_index_tensor
+from .cuda import (DESCRIPTOR_OFFSETS, OPERAND_TYPE_POINTER, SRC_ACCESS_ORDER_STREAM, WORDS, CudaRuntime,
+                   cuda_runtime, word)
 
 log = logging.getLogger("sglang_hicache_jit.direct")  # its name from before the move to a subpackage (issue 20)
 
-# 'batch': flat copies through the driver's batch call, strided ones through the runtime's 3-D one;
-# 'batch3d': everything through the 3-D call (the path before the driver call, kept as a same-run
-# baseline); '2d': one cudaMemcpy2DAsync per copy; 'auto': 'batch' where it can run.
-MODES = ("auto", "batch", "batch3d", "2d")
-# Copies per cudaMemcpy3DBatchAsync call. The API documents no limit; chunking
-# bounds the descriptor array (112 B per copy) and keeps one call's CPU time short.
-MAX_BATCH_OPS = 8192
+# 'batch': every copy of a transfer in cudaMemcpy3DBatchAsync calls; '2d': one cudaMemcpy2DAsync per
+# copy; 'auto': 'batch' where it can run.
+MODES = ("auto", "batch", "2d")
 # Largest flat block one copy moves. A packed run is one block of length * row
 # bytes, and CUDA caps a 2-D copy's pitch (cudaDevAttrMaxPitch, 2^31 - 1 on
 # current GPUs), so longer runs are cut into pieces of at most this size.
 MAX_COPY_BYTES = 1 << 30
-_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (UVA)
-_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read the source in stream order
-_OPERAND_TYPE_POINTER = 1  # cudaMemcpyOperandTypePointer
 
 
 # ---------------------------------------------------------------------------
@@ -186,25 +170,34 @@ class Runs:
         return list(zip(self.dst_start.tolist(), self.src_start.tolist(), self.length.tolist()))
 
 
-def _host_indices(name: str, idx) -> torch.Tensor:
-    check_index_tensor(name, idx)
-    # A GPU index tensor is copied to the CPU here, which waits for the GPU:
-    # copies are issued from the host, so the host must know the slots.
-    return idx.to("cpu", torch.int64)
+def check_pair(indices_dst, indices_src) -> None:
+    """The index contract for both index tensors of a transfer (checks.check_index_tensor) and equal lengths:
+    what a caller of route.copy checks once per operation."""
+    check_index_tensor("indices_dst", indices_dst)
+    check_index_tensor("indices_src", indices_src)
+    if indices_dst.numel() != indices_src.numel():
+        raise ValueError(f"indices_dst has {indices_dst.numel()} entries but indices_src has "
+                         f"{indices_src.numel()}; they must have the same length")
+
+
+def _checked(indices_dst, indices_src) -> tuple[torch.Tensor, torch.Tensor]:
+    check_pair(indices_dst, indices_src)
+    # GPU indices are copied to the CPU here, which waits for the GPU: copies are issued from the host.
+    return indices_dst.to("cpu", torch.int64).contiguous(), indices_src.to("cpu", torch.int64).contiguous()
 
 
 def find_runs(indices_dst, indices_src) -> Runs:
-    """Groups index pairs into runs in which both sides advance by one slot.
+    """Groups index pairs into runs in which both sides advance by one slot (row_runs), after checking both."""
+    return row_runs(*_checked(indices_dst, indices_src))
+
+
+def row_runs(dst: torch.Tensor, src: torch.Tensor) -> Runs:
+    """Runs of index pairs the caller checked (contiguous CPU int64 of one length), one entry per row.
 
     Pairs with a negative index on either side are dropped first; a run may
     continue across a dropped pair because the rows either side of it are
     still consecutive on both sides.
     """
-    dst = _host_indices("indices_dst", indices_dst)
-    src = _host_indices("indices_src", indices_src)
-    if dst.numel() != src.numel():
-        raise ValueError(f"indices_dst has {dst.numel()} entries but indices_src has {src.numel()}; "
-                         "they must have the same length")
     keep = (dst >= 0) & (src >= 0)
     if not bool(keep.all()):
         dst, src = dst[keep], src[keep]
@@ -272,80 +265,6 @@ def check_bounds(runs: Runs, dst_rows: int, src_rows: int) -> None:
     check_rows("indices_src", runs.src_start, src_rows, runs.length, pool="that side")
 
 
-class _MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _PointerOperand(ctypes.Structure):
-    _fields_ = [("ptr", ctypes.c_void_p), ("rowLength", ctypes.c_size_t), ("layerHeight", ctypes.c_size_t),
-                ("locHint", _MemLocation)]
-
-
-class _Offset3D(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_size_t), ("y", ctypes.c_size_t), ("z", ctypes.c_size_t)]
-
-
-class _ArrayOperand(ctypes.Structure):
-    _fields_ = [("array", ctypes.c_void_p), ("offset", _Offset3D)]
-
-
-class _OperandUnion(ctypes.Union):
-    _fields_ = [("ptr", _PointerOperand), ("array", _ArrayOperand)]
-
-
-class Memcpy3DOperand(ctypes.Structure):
-    """``struct cudaMemcpy3DOperand`` (driver_types.h, CUDA 12.8+)."""
-
-    _fields_ = [("type", ctypes.c_int), ("op", _OperandUnion)]
-
-
-class Extent(ctypes.Structure):
-    """``struct cudaExtent``; width in bytes for linear memory."""
-
-    _fields_ = [("width", ctypes.c_size_t), ("height", ctypes.c_size_t), ("depth", ctypes.c_size_t)]
-
-
-class Memcpy3DBatchOp(ctypes.Structure):
-    """``struct cudaMemcpy3DBatchOp`` (driver_types.h, CUDA 12.8+)."""
-
-    _fields_ = [("src", Memcpy3DOperand), ("dst", Memcpy3DOperand), ("extent", Extent),
-                ("srcAccessOrder", ctypes.c_int), ("flags", ctypes.c_uint)]
-
-
-class MemcpyAttributes(ctypes.Structure):
-    """``CUmemcpyAttributes`` (cuda.h, CUDA 12.8+); the location hints only matter for managed memory."""
-
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
-                ("flags", ctypes.c_uint)]
-
-
-def _descriptor_layout() -> dict:
-    """Byte offsets of the fields describe_copies fills, from the ctypes structs above."""
-    ptr = Memcpy3DOperand.op.offset + _OperandUnion.ptr.offset
-    layout = {}
-    for side in ("src", "dst"):
-        base = getattr(Memcpy3DBatchOp, side).offset
-        layout[f"{side}.type"] = base + Memcpy3DOperand.type.offset
-        layout[f"{side}.ptr"] = base + ptr + _PointerOperand.ptr.offset
-        layout[f"{side}.rowLength"] = base + ptr + _PointerOperand.rowLength.offset
-        layout[f"{side}.layerHeight"] = base + ptr + _PointerOperand.layerHeight.offset
-    for axis in ("width", "height", "depth"):
-        layout[f"extent.{axis}"] = Memcpy3DBatchOp.extent.offset + getattr(Extent, axis).offset
-    layout["srcAccessOrder"] = Memcpy3DBatchOp.srcAccessOrder.offset
-    layout["flags"] = Memcpy3DBatchOp.flags.offset
-    return layout
-
-
-DESCRIPTOR_BYTES = ctypes.sizeof(Memcpy3DBatchOp)
-DESCRIPTOR_OFFSETS = _descriptor_layout()
-_WORDS = DESCRIPTOR_BYTES // 8
-assert DESCRIPTOR_BYTES % 8 == 0 and sys.byteorder == "little"
-
-
-def _word(field: str) -> int:
-    return DESCRIPTOR_OFFSETS[field] // 8
-
-
 def describe_copies(pairs: Pairs, runs: Runs) -> torch.Tensor:
     """Copy descriptors for every (pair, run): a CPU int64 tensor of shape
     ``(len(pairs) * len(runs), DESCRIPTOR_BYTES // 8)`` whose rows are
@@ -357,9 +276,9 @@ def describe_copies(pairs: Pairs, runs: Runs) -> torch.Tensor:
     back as ``cudaMemcpy2DAsync``'s pitch.
     """
     n_pairs, n_runs = len(pairs), len(runs)
-    words = torch.zeros((n_pairs, n_runs, _WORDS), dtype=torch.int64)
+    words = torch.zeros((n_pairs, n_runs, WORDS), dtype=torch.int64)
     if not n_runs:
-        return words.view(0, _WORDS)
+        return words.view(0, WORDS)
     packed = pairs.packed[:, None]
     row = pairs.row_bytes[:, None]
     length = runs.length[None, :]
@@ -367,227 +286,20 @@ def describe_copies(pairs: Pairs, runs: Runs) -> torch.Tensor:
     height = torch.where(packed, torch.ones_like(length), length)
     for side, start, base, stride in (("dst", runs.dst_start, pairs.dst_ptr, pairs.dst_stride),
                                       ("src", runs.src_start, pairs.src_ptr, pairs.src_stride)):
-        words[:, :, _word(f"{side}.type")] = _OPERAND_TYPE_POINTER  # 4-byte enum in the low half of its word
-        words[:, :, _word(f"{side}.ptr")] = base[:, None] + start[None, :] * stride[:, None]
-        words[:, :, _word(f"{side}.rowLength")] = torch.where(packed, width, stride[:, None])
-    words[:, :, _word("extent.width")] = width
-    words[:, :, _word("extent.height")] = height
-    words[:, :, _word("extent.depth")] = 1
+        words[:, :, word(f"{side}.type")] = OPERAND_TYPE_POINTER  # 4-byte enum in the low half of its word
+        words[:, :, word(f"{side}.ptr")] = base[:, None] + start[None, :] * stride[:, None]
+        words[:, :, word(f"{side}.rowLength")] = torch.where(packed, width, stride[:, None])
+    words[:, :, word("extent.width")] = width
+    words[:, :, word("extent.height")] = height
+    words[:, :, word("extent.depth")] = 1
     # srcAccessOrder and flags share one word: order in the low half, flags (0) in the high half.
     assert DESCRIPTOR_OFFSETS["flags"] == DESCRIPTOR_OFFSETS["srcAccessOrder"] + 4
-    words[:, :, _word("srcAccessOrder")] = _SRC_ACCESS_ORDER_STREAM
-    return words.view(n_pairs * n_runs, _WORDS)
+    words[:, :, word("srcAccessOrder")] = SRC_ACCESS_ORDER_STREAM
+    return words.view(n_pairs * n_runs, WORDS)
 
 
-# ---------------------------------------------------------------------------
-# The CUDA runtime, through ctypes.
-
-def _load_cudart() -> ctypes.CDLL:
-    major = (torch.version.cuda or "").split(".")[0]
-    if not major:
-        raise RuntimeError("torch is a CPU-only build; the direct path on a GPU needs a CUDA build of torch")
-    try:  # the soname resolves to the copy torch already loaded
-        return ctypes.CDLL(f"libcudart.so.{major}")
-    except OSError:
-        pass
-    site = os.path.dirname(os.path.dirname(torch.__file__))
-    patterns = [os.path.join(site, "nvidia", f"cu{major}", "lib", f"libcudart.so.{major}*"),
-                os.path.join(site, "nvidia", "cuda_runtime", "lib", f"libcudart.so.{major}*"),
-                os.path.join(os.path.dirname(torch.__file__), "lib", f"libcudart*.so.{major}*")]
-    for pattern in patterns:
-        for path in sorted(glob.glob(pattern)):
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                continue
-    raise RuntimeError(f"could not load libcudart.so.{major} (torch's CUDA runtime); looked under {site}/nvidia")
-
-
-class CudaRuntime:
-    """The few CUDA runtime calls the direct path and host pinning need."""
-
-    def __init__(self):
-        lib = _load_cudart()
-        self.lib = lib
-        lib.cudaGetErrorString.restype = ctypes.c_char_p
-        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
-        version = ctypes.c_int()
-        lib.cudaRuntimeGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
-        self.check(lib.cudaRuntimeGetVersion(ctypes.byref(version)), "cudaRuntimeGetVersion")
-        self.version = version.value
-        size_t, ptr = ctypes.c_size_t, ctypes.c_void_p
-        lib.cudaMemcpy2DAsync.argtypes = [ptr, size_t, ptr, size_t, size_t, size_t, ctypes.c_int, ptr]
-        lib.cudaHostRegister.argtypes = [ptr, size_t, ctypes.c_uint]
-        lib.cudaHostUnregister.argtypes = [ptr]
-        lib.cudaPointerGetAttributes.argtypes = [ptr, ptr]
-        self._batch = getattr(lib, "cudaMemcpy3DBatchAsync", None)
-        # CUDA 12.8-12.9 take a failIdx out-pointer that 13.0 dropped.
-        self._batch_has_fail_idx = self.version < 13000
-        if self._batch is not None and self.version >= 12080:
-            self._batch.argtypes = ([size_t, ptr] + ([ptr] if self._batch_has_fail_idx else [])
-                                    + [ctypes.c_ulonglong, ptr])
-        else:
-            self._batch = None
-
-    @property
-    def has_batch(self) -> bool:
-        return self._batch is not None
-
-    def check(self, code: int, what: str) -> None:
-        if code:
-            # Clear the runtime's last-error slot: a later torch check would
-            # otherwise report this (non-sticky) error at an unrelated call.
-            self.lib.cudaGetLastError()
-            text = self.lib.cudaGetErrorString(code) or b"unknown error"
-            raise RuntimeError(f"{what} failed: {text.decode(errors='replace')} (cudaError {code})")
-
-    def memcpy_2d(self, words: torch.Tensor, stream: int) -> None:
-        """One cudaMemcpy2DAsync per descriptor row."""
-        columns = [_word(f) for f in ("dst.ptr", "dst.rowLength", "src.ptr", "src.rowLength",
-                                      "extent.width", "extent.height")]
-        call = self.lib.cudaMemcpy2DAsync
-        for dst, dpitch, src, spitch, width, height in words[:, columns].tolist():
-            code = call(dst, dpitch, src, spitch, width, height, _CUDA_MEMCPY_DEFAULT, stream)
-            if code:
-                self.check(code, f"cudaMemcpy2DAsync(width={width}, height={height})")
-
-    def memcpy_batch(self, words: torch.Tensor, stream: int) -> None:
-        """All descriptors in cudaMemcpy3DBatchAsync calls of at most MAX_BATCH_OPS.
-
-        ``words`` must stay alive until the call returns: the runtime reads the
-        descriptor array during the call (the memory it describes is accessed
-        later, in stream order), so the caller's reference suffices.
-        """
-        assert words.is_contiguous() and words.dtype == torch.int64 and words.shape[1] == _WORDS
-        fail_idx = ctypes.c_size_t(0)
-        for first in range(0, words.shape[0], MAX_BATCH_OPS):
-            chunk = words[first:first + MAX_BATCH_OPS]
-            args = [chunk.shape[0], chunk.data_ptr()]
-            if self._batch_has_fail_idx:
-                args.append(ctypes.addressof(fail_idx))
-            code = self._batch(*args, 0, stream)
-            if code:
-                self.check(code, f"cudaMemcpy3DBatchAsync({chunk.shape[0]} copies)")
-
-    def host_register(self, ptr: int, nbytes: int) -> None:
-        self.check(self.lib.cudaHostRegister(ptr, nbytes, 0), f"cudaHostRegister({nbytes} bytes)")
-
-    def host_unregister(self, ptr: int) -> None:
-        self.check(self.lib.cudaHostUnregister(ptr), "cudaHostUnregister")
-
-    def host_registered(self, ptr: int) -> bool:
-        """Whether host address ``ptr`` is in memory pinned by CUDA, by cudaHostAlloc (torch's pinned
-        memory) or cudaHostRegister (the pools'): one cudaPointerGetAttributes call, whose struct begins
-        with the memory type (cudaMemoryTypeHost is 1). cudaHostGetFlags answers only for the first kind."""
-        attributes = ctypes.create_string_buffer(256)  # struct cudaPointerAttributes: 88 bytes in CUDA 13
-        if self.lib.cudaPointerGetAttributes(attributes, ptr):
-            self.lib.cudaGetLastError()  # clear the non-sticky error, or a later torch check reports it
-            return False
-        return ctypes.c_int.from_buffer(attributes).value == 1
-
-
-class DriverBatchError(RuntimeError):
-    """The driver's batch call returned an error."""
-
-
-class DriverBatch:
-    """``cuMemcpyBatchAsync`` of the CUDA driver: many flat copies in one call.
-
-    A flat copy costs the copy engines far less in this call than as a
-    descriptor of ``cudaMemcpy3DBatchAsync`` (measured on the H200: about 0.3-0.8
-    against 4.3 us per copy; docs/BENCHMARKS.md), which is what lets a batch of
-    64-token pages keep the link. CUDA 13's cuda.h maps the name to the symbol
-    ``cuMemcpyBatchAsync_v2``, which dropped the ``failIdx`` out-parameter that
-    the 12.8-12.9 symbol ``cuMemcpyBatchAsync`` takes; the two cannot be called
-    with each other's arguments, so the symbol found decides the arguments.
-    """
-
-    def __init__(self, lib=None):
-        self.lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
-        version = ctypes.c_int(0)
-        self.lib.cuDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
-        self.version = version.value if self.lib.cuDriverGetVersion(ctypes.byref(version)) == 0 else 0
-        self._call, self._takes_fail_idx = None, False
-        newer = getattr(self.lib, "cuMemcpyBatchAsync_v2", None) if self.version >= 13000 else None
-        if newer is not None:
-            self._call = newer
-        elif self.version >= 12080:
-            self._call, self._takes_fail_idx = getattr(self.lib, "cuMemcpyBatchAsync", None), True
-        if self._call is not None:
-            ptr, size_t = ctypes.c_void_p, ctypes.c_size_t
-            self._call.argtypes = ([ptr, ptr, ptr, size_t, ptr, ptr, size_t] + ([ptr] if self._takes_fail_idx else [])
-                                   + [ptr])
-            self._call.restype = ctypes.c_int
-        # One set of attributes for every copy: read the source in stream order. cuda.h documents attrsIdxs
-        # as numAttrs entries (attrs[k] applies from copy attrsIdxs[k] on), but other projects fixed crashes
-        # of this call by passing one entry per copy (sglang#23136, vllm#53860), as if the driver read
-        # `count` of them; zeros for every copy of a call are right under either reading.
-        self._attributes = MemcpyAttributes(srcAccessOrder=_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
-        self._first_copy = (ctypes.c_size_t * MAX_BATCH_OPS)()
-        self.lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-
-    @property
-    def available(self) -> bool:
-        return self._call is not None
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, sizes: torch.Tensor, stream: int) -> None:
-        """``sizes[i]`` bytes from ``src[i]`` to ``dst[i]`` (contiguous CPU int64 tensors), in calls of at
-        most MAX_BATCH_OPS copies; the driver reads the arrays during the call."""
-        fail_idx = ctypes.c_size_t(0)
-        if len(self._first_copy) < MAX_BATCH_OPS:  # one attribute index per copy of a call (see __init__)
-            self._first_copy = (ctypes.c_size_t * MAX_BATCH_OPS)()
-        for first in range(0, dst.numel(), MAX_BATCH_OPS):
-            count = min(MAX_BATCH_OPS, dst.numel() - first)
-            args = [dst.data_ptr() + 8 * first, src.data_ptr() + 8 * first, sizes.data_ptr() + 8 * first, count,
-                    ctypes.addressof(self._attributes), ctypes.addressof(self._first_copy), 1]
-            if self._takes_fail_idx:
-                args.append(ctypes.addressof(fail_idx))
-            code = self._call(*args, stream)
-            if code:
-                text = ctypes.c_char_p()
-                self.lib.cuGetErrorString(code, ctypes.byref(text))
-                raise DriverBatchError(f"cuMemcpyBatchAsync({count} copies) failed: "
-                                   f"{(text.value or b'unknown error').decode(errors='replace')} (CUresult {code})")
-
-
-_runtime: CudaRuntime | None = None
-_runtime_lock = threading.Lock()
 _batch_failure: str | None = None  # why the batch call was given up in this process, if it was
-_driver: DriverBatch | None = None
-_driver_failure: str | None = None  # why the driver's batch call was given up, if it was
 _null_stream_helpers: dict[int, torch.cuda.Stream] = {}
-
-
-def cuda_runtime() -> CudaRuntime:
-    global _runtime
-    if _runtime is None:
-        with _runtime_lock:
-            if _runtime is None:
-                _runtime = CudaRuntime()
-    return _runtime
-
-
-def driver_batch() -> DriverBatch | None:
-    """The driver's batch call, or None unless SGLANG_HICACHE_JIT_DRIVER_BATCH=1 turns it on (read here,
-    once per process), the driver lacks it (before CUDA 12.8) or it failed here."""
-    global _driver, _driver_failure
-    if _driver is None and _driver_failure is None:
-        with _runtime_lock:
-            if _driver is None and _driver_failure is None:
-                if not settings.driver_batch_enabled():
-                    _driver_failure = f"{settings.DRIVER_BATCH} is not 1"
-                    log.info("flat copies go through cudaMemcpy3DBatchAsync: %s", _driver_failure)
-                    return None
-                try:
-                    _driver = DriverBatch()
-                except (OSError, AttributeError) as exc:  # no libcuda, or a driver without these entry points
-                    _driver_failure = f"{type(exc).__name__}: {exc}"
-                else:
-                    if not _driver.available:
-                        _driver_failure = f"the CUDA driver ({_driver.version}) has no cuMemcpyBatchAsync (12.8+)"
-                if _driver_failure:
-                    log.info("flat copies go through cudaMemcpy3DBatchAsync: %s", _driver_failure)
-    return None if _driver_failure else _driver
 
 
 def batch_status() -> tuple[bool, str]:
@@ -598,10 +310,8 @@ def batch_status() -> tuple[bool, str]:
                        f"{runtime.version // 1000}.{runtime.version % 1000 // 10}: one cudaMemcpy2DAsync per run")
     if _batch_failure:
         return False, f"cudaMemcpy3DBatchAsync failed earlier in this process ({_batch_failure}); using 2-D copies"
-    flat = ("flat copies in one cuMemcpyBatchAsync call" if driver_batch() is not None
-            else f"flat copies in cudaMemcpy3DBatchAsync too ({_driver_failure})")
-    return True, (f"cudaMemcpy3DBatchAsync (CUDA runtime {runtime.version}) for strided copies, {flat}: "
-                  "one call each per transfer; one cudaMemcpy2DAsync per copy while a CUDA graph is captured")
+    return True, (f"cudaMemcpy3DBatchAsync (CUDA runtime {runtime.version}) for every copy, flat and strided: "
+                  "one call per transfer; one cudaMemcpy2DAsync per copy while a CUDA graph is captured")
 
 
 # ---------------------------------------------------------------------------
@@ -612,14 +322,12 @@ def copy_rows(pairs, indices_dst, indices_src, *, mode: str = "auto", page_size:
     """Copies ``src[indices_src[i]] -> dst[indices_dst[i]]`` for every pair.
 
     ``pairs`` is a Pairs (or a list of (dst, src) tensors). ``mode`` picks the
-    CUDA submission (see MODES): 'batch' (flat copies in one driver
-    cuMemcpyBatchAsync call, strided ones in one cudaMemcpy3DBatchAsync call),
-    'batch3d' (all in the 3-D call), '2d' (one cudaMemcpy2DAsync per run and
-    pair) or 'auto' ('batch' where the calls exist, host memory is pinned and
+    CUDA submission (see MODES): 'batch' (every copy in one
+    cudaMemcpy3DBatchAsync call), '2d' (one cudaMemcpy2DAsync per run and
+    pair) or 'auto' ('batch' where the call exists, host memory is pinned and
     the stream is not being captured). ``page_size``, ``dst_rows`` and
-    ``src_rows``: see plan_runs. Returns what ran: 'batch', 'batch3d', '2d', or
-    'torch' (CPU tensors: slice copies). Asynchronous on the current stream
-    for CUDA.
+    ``src_rows``: see plan_runs. Returns what ran: 'batch', '2d', or 'torch'
+    (CPU tensors: slice copies). Asynchronous on the current stream for CUDA.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -628,18 +336,21 @@ def copy_rows(pairs, indices_dst, indices_src, *, mode: str = "auto", page_size:
 
 
 def plan_runs(indices_dst, indices_src, page_size: int = 1, *, dst_rows=None, src_rows=None) -> Runs:
-    """The runs of a transfer whose indices name slots; ``dst_rows`` / ``src_rows`` (None: the identity)
-    map a side's slots to the rows of its pair tensors, elementwise on CPU int64 tensors, keeping
-    negative slots negative, and must map a page-aligned slot to the first of ``page_size``
-    consecutive rows. When both sides are whole pages (aligned where a side is mapped), the plan
-    takes one entry per page (whole_pages, page_runs); otherwise one per row (find_runs)."""
-    dst = _host_indices("indices_dst", indices_dst)
-    src = _host_indices("indices_src", indices_src)
+    """The runs of a transfer whose indices name slots, after checking both index tensors (see runs_of)."""
+    return runs_of(*_checked(indices_dst, indices_src), page_size, dst_rows=dst_rows, src_rows=src_rows)
+
+
+def runs_of(dst: torch.Tensor, src: torch.Tensor, page_size: int = 1, *, dst_rows=None, src_rows=None) -> Runs:
+    """The runs of indices the caller checked (contiguous CPU int64 of one length). ``dst_rows`` / ``src_rows``
+    (None: the identity) map a side's slots to the rows of its pair tensors, elementwise on CPU int64 tensors,
+    keeping negative slots negative, and must map a page-aligned slot to the first of ``page_size``
+    consecutive rows (layout.TokenRows does). When both sides are whole pages (aligned where a side is
+    mapped), the plan takes one entry per page (whole_pages, page_runs); otherwise one per row (row_runs)."""
     dst_starts = whole_pages(dst, page_size, aligned=dst_rows is not None)
     src_starts = None if dst_starts is None else whole_pages(src, page_size, aligned=src_rows is not None)
     if src_starts is not None and dst_starts.numel() == src_starts.numel():
         return page_runs(_mapped(dst_rows, dst_starts), _mapped(src_rows, src_starts), page_size)
-    return find_runs(_mapped(dst_rows, dst), _mapped(src_rows, src))
+    return row_runs(_mapped(dst_rows, dst), _mapped(src_rows, src))
 
 
 def _mapped(to_rows, slots: torch.Tensor) -> torch.Tensor:
@@ -665,8 +376,7 @@ class CopyPlan:
     link beside compute (docs/BENCHMARKS.md).
     """
 
-    __slots__ = ("runs", "spans", "geometry", "dst_ptr", "src_ptr", "words", "flat", "flat_dst", "flat_src",
-                 "flat_sizes", "rest", "n_runs")
+    __slots__ = ("runs", "spans", "geometry", "dst_ptr", "src_ptr", "words", "n_runs")
 
     def __init__(self, pairs: Pairs, runs: Runs):
         check_bounds(runs, pairs.dst_rows, pairs.src_rows)
@@ -678,14 +388,6 @@ class CopyPlan:
             runs = split_runs(runs, max(1, MAX_COPY_BYTES // int(pairs.row_bytes.max())))
         self.n_runs = len(runs)
         self.words = describe_copies(pairs, runs) if pairs.device is not None else None
-        self.flat = self.flat_dst = self.flat_src = self.flat_sizes = self.rest = None
-        if self.words is not None and bool(pairs.packed.any()):
-            self.flat = pairs.packed.repeat_interleave(self.n_runs)
-            flat_words = self.words[self.flat]
-            self.flat_dst = flat_words[:, _word("dst.ptr")].contiguous()
-            self.flat_src = flat_words[:, _word("src.ptr")].contiguous()
-            self.flat_sizes = flat_words[:, _word("extent.width")].contiguous()
-            self.rest = self.words[~self.flat].contiguous()
 
     def fits(self, pairs: Pairs) -> bool:
         """Whether this plan's copies are those of ``pairs`` up to their base addresses."""
@@ -714,65 +416,15 @@ class CopyPlan:
             return int(d_dst), int(d_src)
         return d_dst.repeat_interleave(self.n_runs), d_src.repeat_interleave(self.n_runs)
 
-    def descriptors(self, pairs: Pairs, *, flat_apart: bool):
-        """``(flat_dst, flat_src, flat_sizes, words)`` for ``pairs``: the flat copies as address arrays for the
-        driver's call (None when ``flat_apart`` is false or none is flat) and the rest as descriptor rows."""
+    def descriptors(self, pairs: Pairs) -> torch.Tensor:
+        """The copy descriptors (rows of ``cudaMemcpy3DBatchOp``) for ``pairs``: this plan's, shifted to their bases."""
         shift = self._shift(pairs)
-        if flat_apart and self.flat is not None:
-            flat_dst, flat_src, rest = self.flat_dst, self.flat_src, self.rest
-            if shift is not None:
-                d_dst, d_src = shift
-                if not isinstance(d_dst, int):
-                    d_dst, d_src, r_dst, r_src = d_dst[self.flat], d_src[self.flat], d_dst[~self.flat], d_src[~self.flat]
-                else:
-                    r_dst, r_src = d_dst, d_src
-                flat_dst, flat_src = flat_dst + d_dst, flat_src + d_src
-                if rest.shape[0]:
-                    rest = rest.clone()
-                    rest[:, _word("dst.ptr")] += r_dst
-                    rest[:, _word("src.ptr")] += r_src
-            return flat_dst, flat_src, self.flat_sizes, rest
-        words = self.words
-        if shift is not None:
-            words = words.clone()
-            words[:, _word("dst.ptr")] += shift[0]
-            words[:, _word("src.ptr")] += shift[1]
-        return None, None, None, words
-
-
-class PlanCache:
-    """The CopyPlans of the last few transfers, keyed on their index tensors.
-
-    A key holds each index tensor's identity and version counter (torch bumps
-    it on every in-place write), so a tensor changed in place, or a new tensor
-    at a reused address, plans again. The tensors themselves are kept with
-    their entry, so an id cannot be reused while it is cached. ``capacity``
-    bounds the memory: a plan of N runs costs about 112 B per run and pair.
-    Thread-safe: SGLang loads and backs up from different threads.
-    """
-
-    def __init__(self, capacity: int = 4):
-        self.capacity = capacity
-        self._entries: dict = {}
-        self._lock = threading.Lock()
-
-    def get(self, tensors: tuple, extra, make):
-        """The cached value for ``tensors`` (and the hashable ``extra``), else ``make()``'s, cached."""
-        key = (tuple((id(t), t._version) for t in tensors), extra)
-        with self._lock:
-            entry = self._entries.get(key)
-        if entry is not None and all(a is b for a, b in zip(entry[0], tensors)):
-            return entry[1]
-        value = make()
-        with self._lock:
-            if len(self._entries) >= self.capacity:
-                self._entries.pop(next(iter(self._entries)))  # the oldest
-            self._entries[key] = (tensors, value)
-        return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+        if shift is None:
+            return self.words
+        words = self.words.clone()
+        words[:, word("dst.ptr")] += shift[0]
+        words[:, word("src.ptr")] += shift[1]
+        return words
 
 
 def _copy_on_cpu(pairs: Pairs, spans: list) -> None:
@@ -782,15 +434,15 @@ def _copy_on_cpu(pairs: Pairs, spans: list) -> None:
 
 
 def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str) -> str:
-    global _batch_failure, _driver_failure
+    global _batch_failure
     runtime = cuda_runtime()
     device = pairs.device
     with torch.cuda.device(device):
         stream = torch.cuda.current_stream(device)
-        if requested in ("batch", "batch3d") and not runtime.has_batch:
+        if requested == "batch" and not runtime.has_batch:
             raise RuntimeError(batch_status()[1])
         mode = requested
-        # Batched copies are not captured into CUDA graphs here (the batch calls could not be captured
+        # Batched copies are not captured into CUDA graphs here (the batch call could not be captured
         # before CUDA 13): a capture records one 2-D copy per run, which replays like any other copy.
         if torch.cuda.is_current_stream_capturing():
             if requested != "auto" and requested != "2d":
@@ -801,52 +453,39 @@ def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str) -> str:
             mode = "batch" if runtime.has_batch and not _batch_failure and not pairs.pageable else "2d"
         if not plan.n_runs:
             return mode
+        words = plan.descriptors(pairs)
         if mode == "2d":
-            runtime.memcpy_2d(plan.descriptors(pairs, flat_apart=False)[3], stream.cuda_stream)
+            runtime.memcpy_2d(words, stream.cuda_stream)
             return "2d"
-        driver = driver_batch() if mode == "batch" else None
-        copies = plan.descriptors(pairs, flat_apart=driver is not None)
         try:
-            try:
-                _batch_on(runtime, driver, copies, stream, device)
-            except DriverBatchError as exc:
-                if requested == "batch":
-                    raise
-                # Keep transfers working: flat copies go through the 3-D call from now on; say so once.
-                # The copies are idempotent, so redoing any the failed call did enqueue is safe.
-                _driver_failure = str(exc)
-                log.warning("%s; flat copies go through cudaMemcpy3DBatchAsync from now on", exc)
-                _batch_on(runtime, None, plan.descriptors(pairs, flat_apart=False), stream, device)
+            _batch_on(runtime, words, stream, device)
             return mode
         except RuntimeError as exc:
             if requested != "auto":
                 raise
+            # Keep transfers working: one 2-D copy per run from now on; say so once. The copies are
+            # idempotent, so redoing any the failed call did enqueue is safe.
             _batch_failure = str(exc)
             log.warning("%s; the direct path uses one cudaMemcpy2DAsync per run from now on", exc)
-            runtime.memcpy_2d(plan.descriptors(pairs, flat_apart=False)[3], stream.cuda_stream)
+            runtime.memcpy_2d(words, stream.cuda_stream)
             return "2d"
 
 
-def _batch_on(runtime: CudaRuntime, driver, copies, stream, device: int) -> None:
-    """The copies of one transfer, batched: the flat ones (``CopyPlan.descriptors``) through the driver's
-    call, the rest through cudaMemcpy3DBatchAsync."""
-    flat_dst, flat_src, flat_sizes, words = copies
+def _batch_on(runtime: CudaRuntime, words: torch.Tensor, stream, device: int) -> None:
+    """The copies of one transfer (descriptor rows), in cudaMemcpy3DBatchAsync calls on ``stream``."""
     # One batch on one stream: spreading it over several streams does not help
     # (measured: ~4.3 us of copy-engine time per 3-D copy whatever the stream count;
     # docs/host_pool.md).
     target = stream
     if not stream.cuda_stream:
-        # The batch calls refuse the legacy NULL stream: run on a helper stream
+        # The batch call refuses the legacy NULL stream: run on a helper stream
         # fenced on both sides, so the copies stay ordered with the caller's work.
         target = _null_stream_helpers.get(device)
         if target is None:
             target = _null_stream_helpers[device] = torch.cuda.Stream(device)
         target.wait_stream(stream)
     try:
-        if flat_dst is not None and flat_dst.numel():
-            driver.copy(flat_dst, flat_src, flat_sizes, target.cuda_stream)
-        if words.shape[0]:
-            runtime.memcpy_batch(words, target.cuda_stream)
+        runtime.memcpy_batch(words, target.cuda_stream)
     finally:
         if target is not stream:
             stream.wait_stream(target)

@@ -14,23 +14,18 @@ raises: each transfer runs through
 * the **direct** path (direct.py: copy engines, one batched submission per
   transfer) otherwise, and whenever ``io_backend="direct"``.
 
-The choice is made once, at construction, and kept in ``transfer_path`` and
-``transfer_path_reason``; a pool that falls back to the direct path says so
-once, at WARNING.
+Which one runs is route.py's decision: the pool's path once, at construction
+(kept in ``transfer_path`` and ``transfer_path_reason``; a pool that falls
+back to the direct path says so once, at WARNING), then per call for the
+``io_backend`` asked; route.py also plans the direct path's copies.
 
-Host buffers (``L`` host layers, row shape ``R`` = ``(1, D)`` for MLA,
-``(H, Dh)`` for MHA; MHA adds a leading K/V dimension of 2)::
-
-    layer_first        (L, slots, *R)           layer l: buf[l]       (contiguous)
-    page_first         (slots, L, *R)           layer l: buf[:, l]    (slot stride L rows)
-    page_first_direct  (pages, L, P, *R)        layer l: rows of a page contiguous
-
-A ``page_first_direct`` layer has no single slot stride, so the pool views the
-buffer as flat rows starting at layer l's first row and maps each host token
-index ``t`` to ``(t // P) * L * P + t % P``; both paths then see a plain
-strided layer. Layer sharding: a device pool with ``owned_layers=(start,
-end)`` gets ``end - start`` host layers; device layer ``l`` lives in host layer
-``l - start`` and other layers are skipped (docs/concepts.md, layer sharding).
+Host buffers follow layout.py (``L`` host layers, row shape ``R`` = ``(1, D)``
+for MLA, ``(H, Dh)`` for MHA; MHA adds a leading K/V dimension of 2): one
+layer's rows and the token -> row map of ``page_first_direct`` come from
+there, so both paths see a plain strided layer. Layer sharding: a device pool
+with ``owned_layers=(start, end)`` gets ``end - start`` host layers; device
+layer ``l`` lives in host layer ``l - start`` and other layers are skipped
+(docs/concepts.md, layer sharding).
 """
 
 from __future__ import annotations
@@ -38,20 +33,22 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from . import bounds, direct
+from . import bounds, cuda, direct, route
+from . import layout as host_layout
 from .. import settings
 from .checks import check_dense, check_index_tensor
 from .slot_allocator import SlotAllocator
 
 log = logging.getLogger("sglang_hicache_jit.host_pool")  # its name from before the move to a subpackage (issue 20)
 
-LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-IO_BACKENDS = ("kernel", "direct", "auto", "resident")
+LAYOUTS = host_layout.LAYOUTS
+IO_BACKENDS = route.IO_BACKENDS
 _logged_choices: set = set()  # (path, reason) pairs already logged in this process
 
 
@@ -76,40 +73,6 @@ class MHADevicePool:
     owned_layers: tuple | None = None
 
 
-# Where a load goes to the copy engines (H200, 1152-B rows, SGLang's 8-layer per-layer load loop, the plan
-# made once per load, the driver's batch call on; tools/bench.py layouts, docs/BENCHMARKS.md 2026-12-04):
-# beside back-to-back bf16 matmuls, copies of a 64-token page of one layer (72 KiB) moved 0.72 / 0.89-0.97
-# of the link at 16K / 64K tokens per layer against the kernel's 0.21 / 0.77-0.79 (its launches wait for
-# SMs), 256-token pages 0.98; an exploratory run found the same order at 1K and 4K tokens (0.55 / 0.75
-# against 0.16 / 0.33) and for 16-token pages (18 KiB: 0.53 against 0.34 at 4K tokens). A load overlaps
-# compute in a server, so the copy engines take every load whose copies are this long.
-DIRECT_LOAD_MIN_COPY_BYTES = 16 * 1024
-
-
-def choose_io_backend(kernel_available: bool, operation: str, *, copy_bytes: int = 0,
-                      indices_on_host: bool = False, flat_batch: bool = False, layout: str = "page_first") -> str:
-    """The ``io_backend="auto"`` policy for ``operation`` ('load' or 'backup').
-
-    Backups into a layout whose host pages are contiguous across layers (page_first, page_first_direct)
-    take the copy engines through device staging (staging.py: a gather, then whole pages). layer_first
-    backups take the kernel where it works: the copy engines' batched call costs about 4.3 us per copy, so
-    a 64-token page of one layer per copy moved 0.40 of the link alone and 0.35 beside a saturating matmul,
-    against the kernel's 0.80-0.84 and 0.53-0.57 (at +7 to +11% matmul time; H200, tools/bench.py layouts).
-    Loads take the copy engines when each copy (``copy_bytes``: one page of one layer where the layout keeps
-    it contiguous, else one row) is at least DIRECT_LOAD_MIN_COPY_BYTES, the indices are already on the host
-    (the copy engines are planned on the CPU; GPU indices would cost a host sync) and ``flat_batch`` says
-    flat copies are cheap to submit; otherwise the kernel.
-    """
-    if operation not in ("load", "backup"):
-        raise ValueError(f"operation must be 'load' or 'backup', got {operation!r}")
-    if not kernel_available:
-        return "direct"
-    if operation == "backup":
-        return "kernel" if layout == "layer_first" else "direct"
-    long = copy_bytes >= DIRECT_LOAD_MIN_COPY_BYTES
-    return "direct" if long and indices_on_host and flat_batch else "kernel"
-
-
 def _log_choice_once(path: str, reason: str) -> None:
     key = (path, reason)
     if key in _logged_choices:
@@ -119,6 +82,11 @@ def _log_choice_once(path: str, reason: str) -> None:
         log.info("HiCache host pool: kernel path (%s)", reason)
     else:
         log.warning("HiCache host pool: direct (copy-engine) path, because %s", reason)
+
+
+# The kernel's paths (route.io_path): (method, block_quota) for the ops; None: the op's measured default.
+_KERNEL_PATHS = {"kernel": (None, None), "resident": ("resident", None), "kernel-small": (None, route.SMALL_COPY_CTAS)}
+_STAGING_INIT = threading.Lock()  # a device side's staging area is made once, on a backup thread's first call
 
 
 class _DeviceSide:
@@ -167,8 +135,7 @@ class HostKVPool:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if page_size > size:  # size is rounded up to whole pages: 4 slots of 2**40-slot pages asked for 70 TB
             raise ValueError(f"page_size ({page_size}) must not exceed size ({size} token slots)")
-        if layout not in LAYOUTS:
-            raise ValueError(f"Unsupported layout: {layout!r} (choose one of {', '.join(LAYOUTS)})")
+        host_layout.check_layout(layout)
         caches = self._device_caches(device_pool)
         self.device_pool = device_pool
         self.layer_num_device = len(caches[0])
@@ -194,8 +161,8 @@ class HostKVPool:
         self.row_shape = tuple(first.shape[1:])
         self.row_bytes = math.prod(self.row_shape) * first.element_size()
         # One direct-path copy: a page of a layer where the layout keeps it contiguous, else one row.
-        strided = layout == "page_first" and self.layer_num > 1
-        self.copy_bytes = self.row_bytes if strided else self.row_bytes * page_size
+        self.copy_bytes = host_layout.copy_bytes(layout, layers=self.layer_num, row_bytes=self.row_bytes,
+                                                 page_size=page_size)
         nbytes = self.size * self.layer_num * self.row_bytes * self.num_caches
         if nbytes >= 1 << 63:  # past what a tensor can address (torch raised an overflow RuntimeError)
             kv = " for K and V" if self.num_caches == 2 else ""
@@ -205,27 +172,23 @@ class HostKVPool:
         self.pin_memory = bool(pin_memory) and first.is_cuda  # pinning only matters with a GPU on the other side
         self.kv_buffer = self._allocate(first.device)
         self._host_rows = self._host_layer_rows()    # [cache][host layer] Rows
+        # Host token -> row of a layer's rows (None: the identity); a key of route.py's plans.
+        self._host_map = host_layout.token_rows(layout, layers=self.layer_num, page_size=page_size, slots=self.size)
         self._device_sides: dict[int, tuple[object, _DeviceSide]] = {}
         self._device_side(device_pool)               # validates the owned layers once
         self._host_table = None
         self.staging_bytes = settings.staging_bytes()  # GPU memory page_first backups may stage through
-        self._plans = direct.PlanCache()  # direct-path plans of the last few transfers (a load's layers share one)
         self.direct_mode = "auto"      # how the direct path submits CUDA copies: direct.MODES
-        self.last_direct_mode = None   # what the last direct transfer ran: 'batch', 'batch3d', '2d' or 'torch'
-        self.transfer_path, self.transfer_path_reason = self._choose_path(first)
+        self.last_direct_mode = None   # what the last direct transfer ran: 'batch', '2d', 'torch' or 'staged'
+        self.transfer_path, self.transfer_path_reason = route.pool_path(first, pinned=self.pin_memory,
+                                                                        row_bytes=self.row_bytes)
         _log_choice_once(self.transfer_path, self.transfer_path_reason)
         self.allocator = SlotAllocator(self.size, self.page_size)
         self.lock = self.allocator.lock
 
-    def _cache_shape(self) -> tuple:
-        if self.layout == "layer_first":
-            return (self.layer_num, self.size, *self.row_shape)
-        if self.layout == "page_first":
-            return (self.size, self.layer_num, *self.row_shape)
-        return (self.page_num, self.layer_num, self.page_size, *self.row_shape)
-
     def _buffer_shape(self) -> tuple:
-        shape = self._cache_shape()
+        shape = host_layout.buffer_shape(self.layout, layers=self.layer_num, slots=self.size, page_size=self.page_size,
+                                         row_shape=self.row_shape)
         return shape if self.num_caches == 1 else (self.num_caches, *shape)
 
     def _allocate(self, device_of_pool: torch.device) -> torch.Tensor:
@@ -233,7 +196,7 @@ class HostKVPool:
         if self.pin_memory:
             # Register the exact bytes (as upstream does) rather than torch's
             # pinned allocator, which rounds each block up to a power of two.
-            runtime = direct.cuda_runtime()
+            runtime = cuda.cuda_runtime()
             nbytes = buffer.numel() * buffer.element_size()
             try:
                 with torch.cuda.device(device_of_pool):
@@ -246,32 +209,10 @@ class HostKVPool:
             weakref.finalize(buffer, _unregister, runtime, buffer.data_ptr())
         return buffer
 
-    def _host_layer_view(self, buffer: torch.Tensor, layer: int) -> torch.Tensor:
-        """Host layer ``layer`` of one cache as (rows, *row_shape) with a uniform slot stride."""
-        if self.layout == "layer_first":
-            return buffer[layer]
-        if self.layout == "page_first":
-            return buffer[:, layer]
-        # page_first_direct: flat rows from this layer's first row; see translate_host_indices.
-        flat = buffer.view(-1, *self.row_shape)
-        rows = (self.page_num - 1) * self.layer_num * self.page_size + self.page_size
-        return flat[layer * self.page_size: layer * self.page_size + rows]
-
     def _host_layer_rows(self) -> list[list[direct.Rows]]:
-        return [[direct.Rows(self._host_layer_view(buf, h), f"host layer {h}") for h in range(self.layer_num)]
-                for buf in self._cache_buffers()]
-
-    def _choose_path(self, first: torch.Tensor) -> tuple[str, str]:
-        if not first.is_cuda:
-            return "direct", (f"the device pool is on {first.device}, not a GPU: transfers run as plain tensor "
-                              "copies")
-        if not self.pin_memory:
-            return "direct", "the host pool is not pinned (pin_memory=False); the kernel needs pinned host memory"
-        result = probe(self.row_bytes, device=first.device.index)
-        if result.available:
-            return "kernel", f"the probe says: {result.reason}"
-        fix = f" Fix: {result.fix}" if result.fix else ""
-        return "direct", f"the probe says the kernel is unavailable [{result.code}]: {result.reason}{fix}"
+        """[cache][host layer] Rows: each layer of each cache as layout.layer_rows views it."""
+        return [[direct.Rows(host_layout.layer_rows(buf, self.layout, h), f"host layer {h}")
+                 for h in range(self.layer_num)] for buf in self._cache_buffers()]
 
     # -- device pools and indices ------------------------------------------------
     def _device_side(self, device_pool) -> _DeviceSide:
@@ -302,12 +243,9 @@ class HostKVPool:
 
     def translate_host_indices(self, host_indices: torch.Tensor) -> torch.Tensor:
         """Host token indices -> row indices of the per-layer views (identity except
-        for page_first_direct with several layers). Negative indices stay negative; an
-        index past the pool is refused before it is multiplied (bounds.token_rows)."""
-        if self.layout != "page_first_direct" or self.layer_num == 1:
-            return host_indices
-        return bounds.token_rows("host_indices", host_indices, page_size=self.page_size,
-                                 page_rows=self.layer_num * self.page_size, slots=self.size)
+        for page_first_direct with several layers; layout.token_rows). Negative indices
+        stay negative; an index past the pool is refused before it is multiplied."""
+        return host_indices if self._host_map is None else self._host_map(host_indices)
 
     def _check_index_pair(self, host_indices, device_indices) -> None:
         for name, indices in (("host_indices", host_indices), ("device_indices", device_indices)):
@@ -318,19 +256,11 @@ class HostKVPool:
                              f"{device_indices.shape[0]}; they must have the same length")
 
     def _path(self, io_backend, operation: str, device_indices=None) -> str:
-        if io_backend == "direct":
-            return "direct"
-        if io_backend == "kernel":  # the kernel where it works, else the direct path (logged at construction)
-            return self.transfer_path
-        if io_backend == "resident":  # the kernel's resident method (docs/kernels.md), else the direct path
-            return "resident" if self.transfer_path == "kernel" else "direct"
-        if io_backend == "auto":
-            kernel = self.transfer_path == "kernel"
-            return choose_io_backend(kernel, operation, copy_bytes=self.copy_bytes,
-                                     indices_on_host=device_indices is not None and not device_indices.is_cuda,
-                                     flat_batch=kernel and operation == "load" and direct.driver_batch() is not None,
-                                     layout=self.layout)
-        raise ValueError(f"Unsupported IO backend: {io_backend!r} (choose one of {', '.join(IO_BACKENDS)})")
+        staged = operation == "backup" and route.pool_stages(
+            self.layout, layers=self.layer_num, pinned=self.pin_memory, budget_bytes=self.staging_bytes,
+            page_bytes=self.page_size * self.layer_num * self.row_bytes * self.num_caches)
+        return route.io_path(io_backend, operation, pool_path=self.transfer_path, copy_bytes=self.copy_bytes,
+                             device_indices=device_indices, layout=self.layout, staged=staged)
 
     def _layer(self, layer_id) -> int:
         try:
@@ -354,18 +284,20 @@ class HostKVPool:
             return
         side = self._device_side(device_pool)
         host_layer = layer - start
-        if path in ("kernel", "resident"):
+        if path in _KERNEL_PATHS:
             from . import ops
 
             host_rows = self.translate_host_indices(host_indices)
-            method = "resident" if path == "resident" else None
+            method, quota = _KERNEL_PATHS[path]
             if self.num_caches == 1:
                 ops.transfer_one_layer_mla(side.caches[0][layer], device_indices,
-                                           self._host_rows[0][host_layer].tensor, host_rows, method=method)
+                                           self._host_rows[0][host_layer].tensor, host_rows, method=method,
+                                           block_quota=quota)
             else:
                 ops.transfer_one_layer(side.caches[0][layer], side.caches[1][layer], device_indices,
                                        self._host_rows[0][host_layer].tensor, self._host_rows[1][host_layer].tensor,
-                                       host_rows, method=method)
+                                       host_rows, method=method, block_quota=quota)
+            self.last_direct_mode = None
             return
         pairs = side.pairs.get(("load", host_layer))
         if pairs is None:
@@ -379,11 +311,13 @@ class HostKVPool:
         path = self._path(io_backend, "backup")
         self._check_index_pair(host_indices, device_indices)
         side = self._device_side(device_pool)
-        if path in ("kernel", "resident"):
+        if path in _KERNEL_PATHS:
             from . import ops
 
+            method, quota = _KERNEL_PATHS[path]
             ops.transfer_all_layer(self._host_layer_table(), self.translate_host_indices(host_indices),
-                                   side.table(), device_indices, method="resident" if path == "resident" else None)
+                                   side.table(), device_indices, method=method, block_quota=quota)
+            self.last_direct_mode = None
             return
         staging = self._staging(side)
         if staging is not None and staging.backup(host_indices, device_indices):
@@ -398,26 +332,28 @@ class HostKVPool:
 
     def _staging(self, side: _DeviceSide):
         """The device staging area for backups into a layout whose host pages are contiguous across layers
-        (page_first, page_first_direct; staging.py), made on first use; None where it does not apply:
-        layer_first, one layer (its rows are already contiguous), no GPU, or no budget."""
-        if side.staging is False:
-            return None
+        (route.pool_stages; staging.py), made on first use; None where it does not apply."""
         if side.staging is None:
-            side.staging = False
-            if (self.layout in ("page_first", "page_first_direct") and self.layer_num > 1 and self.pin_memory
-                    and self.staging_bytes >= 2 * self.page_size * self.layer_num * self.row_bytes * self.num_caches):
-                # (a budget below two pages would copy a page in pieces: the row copies serve that as well)
-                from . import staging
-
-                start, end = self.owned_layers
-                layers = [cache[start:end] for cache in side.caches]
-                gather = (staging.kernel_gather(side.table()) if self.transfer_path == "kernel"
-                          else staging.torch_gather(layers))
-                side.staging = staging.PageStaging(self._cache_buffers(), budget_bytes=self.staging_bytes,
-                                                   device=layers[0][0].device, device_rows=layers[0][0].shape[0],
-                                                   gather=gather,
-                                                   page_size=self.page_size if self.layout == "page_first_direct" else 1)
+            with _STAGING_INIT:  # two backup threads must not both build one, or see it half-built as "none"
+                if side.staging is None:
+                    side.staging = self._make_staging(side)
         return side.staging or None
+
+    def _make_staging(self, side: _DeviceSide):
+        """The staging area of ``side``, or False where none applies (see _staging)."""
+        if not route.pool_stages(self.layout, layers=self.layer_num, pinned=self.pin_memory,
+                                 budget_bytes=self.staging_bytes,
+                                 page_bytes=self.page_size * self.layer_num * self.row_bytes * self.num_caches):
+            return False
+        from . import staging
+
+        start, end = self.owned_layers
+        layers = [cache[start:end] for cache in side.caches]
+        gather = (staging.kernel_gather(side.table()) if self.transfer_path == "kernel"
+                  else staging.torch_gather(layers))
+        return staging.PageStaging(self._cache_buffers(), budget_bytes=self.staging_bytes,
+                                   device=layers[0][0].device, device_rows=layers[0][0].shape[0], gather=gather,
+                                   page_size=self.page_size if self.layout == "page_first_direct" else 1)
 
     def _host_layer_table(self):
         if self._host_table is None:
@@ -429,24 +365,17 @@ class HostKVPool:
         return self._host_table
 
     def _copy_direct(self, pairs: direct.Pairs, indices_dst, indices_src, *, host_is_dst: bool) -> None:
-        # SGLang's load loop passes the same two index tensors for every layer: the plan made for the first
-        # layer serves the rest (direct.CopyPlan), so the host sync for GPU indices and the planning happen
-        # once per load, not once per layer.
-        plan = self._plans.get((indices_dst, indices_src), (host_is_dst, pairs.geometry),
-                               lambda: self._plan_direct(pairs, indices_dst, indices_src, host_is_dst))
-        self.last_direct_mode = plan.run(pairs, mode=self.direct_mode)
+        # The indices were checked once (_check_index_pair); route.copy plans them once per index bytes, so
+        # SGLang's per-layer load loop, which passes the same indices for every layer, plans the first layer
+        # and rebases that plan for the rest (a changed index is planned again).
+        def check(dst, src):  # when a plan is made: host indices past the pool, named as such
+            bounds.check_rows("host_indices", dst if host_is_dst else src, self.size, pool="the host pool")
 
-    def _plan_direct(self, pairs: direct.Pairs, indices_dst, indices_src, host_is_dst: bool) -> direct.CopyPlan:
-        # GPU indices come back to the CPU here (a host sync): copies are issued from the host.
-        host_indices = (indices_dst if host_is_dst else indices_src).to("cpu", torch.int64)
-        device_indices = (indices_src if host_is_dst else indices_dst).to("cpu", torch.int64)
-        bounds.check_rows("host_indices", host_indices, self.size, pool="the host pool")
-        # Planned one entry per page when the indices are whole pages (direct.plan_runs).
-        to_rows = self.translate_host_indices if self.layout == "page_first_direct" else None
-        host_side, device_side = (host_indices, to_rows), (device_indices, None)
-        (dst, dst_rows), (src, src_rows) = (host_side, device_side) if host_is_dst else (device_side, host_side)
-        runs = direct.plan_runs(dst, src, self.page_size, dst_rows=dst_rows, src_rows=src_rows)
-        return direct.CopyPlan(pairs, runs)
+        host_map = self._host_map
+        self.last_direct_mode = route.copy(pairs, indices_dst, indices_src, page_size=self.page_size,
+                                           dst_map=host_map if host_is_dst else None,
+                                           src_map=None if host_is_dst else host_map,
+                                           mode=self.direct_mode, check=check)
 
     # -- allocator (same semantics as upstream HostKVCache; see slot_allocator) --
     def clear(self) -> None:
@@ -474,13 +403,7 @@ class HostKVPool:
         if start % self.page_size or not 0 <= start < self.size:
             raise ValueError(f"index must be the first token slot of a page (a multiple of {self.page_size} in "
                              f"[0, {self.size})), got {start}")
-        P = self.page_size
-        if self.layout == "layer_first":
-            key = (slice(None), slice(start, start + P))
-        elif self.layout == "page_first":
-            key = (slice(start, start + P),)
-        else:
-            key = (slice(start // P, start // P + 1),)
+        key = host_layout.page_index(self.layout, start, self.page_size)
         return key if self.num_caches == 1 else (slice(None), *key)
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
@@ -573,10 +496,3 @@ def _unregister(runtime, ptr: int) -> None:
         runtime.host_unregister(ptr)
     except RuntimeError:  # at interpreter exit the context may already be gone
         pass
-
-
-def probe(element_size: int, *, device=None):
-    """The kernel probe (module-level so tests can replace it)."""
-    from .probe import probe as run_probe
-
-    return run_probe(element_size, device=device)

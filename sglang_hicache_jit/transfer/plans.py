@@ -13,7 +13,7 @@ import torch
 from .. import settings
 from .abi import D2H_BLOCK_QUOTA, _CTransfer, _HINT_DST_DEVICE, _NO_ERRORS, _RESIDENT, METHOD_NAMES
 from .checks import _gpu_indices, _method_code, _settings
-from .direct import cuda_runtime
+from .cuda import cuda_runtime
 from .launcher import _raise_reported, _state
 
 # Bulk-copy tuning passed to the kernel; 0 keeps the kernel's measured default.

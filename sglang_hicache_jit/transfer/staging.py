@@ -1,24 +1,26 @@
-"""page_first backups through a device staging area: a gather on the GPU, then whole pages on the copy engines.
+"""Backups into page-contiguous host layouts through a device staging area: a gather on the GPU, then whole
+pages on the copy engines.
 
-In a ``page_first`` host buffer a page is one contiguous block across layers (``page_size`` tokens x
-``L`` layers x row bytes: 576 KiB for 64 tokens of 8 layers of 1152-B rows), but one layer's rows are
-strided by ``L`` rows. Copying them row by row costs either SMs (the kernel: +41-50% on a matmul beside
-it) or the copy engines' per-row overhead (2-D copies: a quarter of the link). So a backup here
+In a ``page_first`` host buffer a token is one contiguous block across layers, and in a ``page_first_direct``
+buffer a page is (``page_size`` tokens x ``L`` layers x row bytes: 576 KiB for 64 tokens of 8 layers of
+1152-B rows); consecutive host slots are consecutive blocks. But one layer's rows are strided (page_first)
+or cut into one short block per page (page_first_direct). Copying them row by row, or page by page per
+layer, costs either SMs (the kernel) or the copy engines' cost per copy (about 4.3 us each in the runtime's
+batched call: 0.35-0.41 of the link for 64-token pages). So a backup here
 
 1. gathers the rows of every layer from the device into a staging buffer on the GPU, laid out exactly as
-   the host buffer (token-major, layers inside: HBM speed, microseconds of SM time, one launch for all
-   layers), on a side stream;
-2. copies each run of consecutive host slots (a page, or pages that follow each other) as one flat block
-   (``direct.CopyPlan``: the driver's batched call, link rate, no SMs) on the caller's stream.
+   the host buffer (HBM speed, microseconds of SM time, one launch for all layers), on a side stream;
+2. copies each run of consecutive host blocks (a token or a page, or ones that follow each other) as one
+   flat block (``direct.CopyPlan``: the runtime's batched call, no SMs) on the caller's stream.
 
 The staging area is two buffers of half of ``SGLANG_HICACHE_JIT_STAGING`` (default 512 MiB) each, so a
 large backup runs in chunks: the gather of chunk k+1 fills one buffer while the copies of chunk k drain
-the other. Beside a saturating matmul each gather first waits for SMs (about one matmul), so the chunks
-must be long: with 64 MiB buffers a 16K-token backup (8 layers of 1152-B rows) kept 0.56 of the link,
-with 256 MiB buffers 0.80 (64K tokens: 0.70 and 0.81), at +4 to +8% matmul time (H200, 2026-12-04,
-tools/bench.py layouts). Ordering: the side stream first waits for the caller's stream (the gather sees what was
-written to the device cache before the call), every copy waits for its gather, and a buffer is gathered
-into again only after its copies are done; the caller's stream ends up behind all of it.
+the other. Beside a saturating matmul each gather first waits for SMs (about one matmul, 1.4 ms for a bf16
+8192^3 product), which is what keeps 16K-token backups at 0.55-0.61 of the link beside it (0.76-0.89 alone)
+while 64K-token ones keep 0.67-0.82 (H200, 2026-12-06, tools/bench.py layouts; docs/BENCHMARKS.md).
+Ordering: the side stream first waits for the caller's stream (the gather sees what was written to the
+device cache before the call), every copy waits for its gather, and a buffer is gathered into again only
+after its copies are done; the caller's stream ends up behind all of it.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 * ``plan-cost`` (CPU, no GPU touched): host time of each planning stage of ``direct.copy_rows`` for
   ``--pages`` random pages of one packed pair (CPU indices, as HiCache's host side has them), median of
-  50 calls each.
-* ``copy-sizes`` (GPU): one ``cuMemcpyBatchAsync`` call moving 64 MiB in copies of 8 rows to 4 MiB, pages
+  50 calls each, and what a later layer of a load pays instead: a hit in route.py's plan cache (the index
+  bytes compared).
+* ``copy-sizes`` (GPU): one ``cudaMemcpy3DBatchAsync`` call (what the direct path submits; the driver's
+  ``cuMemcpyBatchAsync`` is never called, docs/troubleshooting.md) moving 64 MiB in copies of 8 rows to 4 MiB, pages
   placed at random on both sides (host side sorted, as HiCache allocates), random bytes. Each direction
   alone and both at once (two streams), against one contiguous copy of the same bytes and the JIT kernel
   moving the same bytes as rows (page 64), all in the same run: what copy size reaches the link.
@@ -31,7 +33,7 @@ def run(args, out, name: str) -> int:
 def planning(args, out) -> int:
     import torch
 
-    from sglang_hicache_jit.transfer import direct
+    from sglang_hicache_jit.transfer import direct, route
 
     pages, page_rows, row = args.pages, args.page_rows, args.row
     gen = torch.Generator().manual_seed(0)
@@ -52,15 +54,16 @@ def planning(args, out) -> int:
 
     runs = direct.find_runs(dev_idx, host_idx)
     split = direct.split_runs(runs, max(1, direct.MAX_COPY_BYTES // row))
-    words = direct.describe_copies(pairs, split)
-    flat = pairs.packed.repeat_interleave(len(split))
+    cache = route.PlanCache()
+    make = lambda dst, src: direct.CopyPlan(pairs, direct.runs_of(dst, src, page_rows))  # noqa: E731
+    cache.get(dev_idx, host_idx, "load", make)  # the first layer's plan: later calls hit it
     stages = {
         "find_runs": lambda: direct.find_runs(dev_idx, host_idx),
         "plan_runs (pages)": lambda: direct.plan_runs(dev_idx, host_idx, page_rows),
         "check_bounds": lambda: direct.check_bounds(runs, pairs.dst_rows, pairs.src_rows),
         "split_runs": lambda: direct.split_runs(runs, max(1, direct.MAX_COPY_BYTES // row)),
         "describe_copies": lambda: direct.describe_copies(pairs, split),
-        "flat columns": lambda: (words[flat][:, direct._word("dst.ptr")].contiguous(), words[~flat].contiguous()),
+        "plan cache hit": lambda: cache.get(dev_idx, host_idx, "load", make),
     }
     print(f"planning {pages} pages of {page_rows} x {row} B ({pages * page_rows} indices), torch threads "
           f"{torch.get_num_threads()}:")
@@ -104,16 +107,16 @@ def sizes(args, out) -> int:
 
     from sglang_hicache_jit import ops
     from sglang_hicache_jit.bench.workloads import _fill_random
-    from sglang_hicache_jit.transfer import direct
+    from sglang_hicache_jit.transfer import cuda, direct
 
     if not torch.cuda.is_available():
         raise SystemExit("copy-sizes needs a CUDA GPU")
     total, row = args.total_mib << 20, args.row
     torch.cuda.set_stream(torch.cuda.Stream())  # the batch call refuses the legacy NULL stream
-    driver = direct.driver_batch()
-    if driver is None:
-        print(f"no driver batch call here: {direct.batch_status()[1]}")
+    if not direct.batch_status()[0]:
+        print(f"no batch call here: {direct.batch_status()[1]}")
         return 1
+    runtime = cuda.cuda_runtime()
     host = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(2 * total, dtype=torch.uint8, device="cuda")
     _fill_random(host, torch)
@@ -161,12 +164,15 @@ def sizes(args, out) -> int:
         # the host side's copies in address order (a sorted allocation), the device side's at random;
         # each direction on its own half of the slots, so both at once race on nothing
         h_slots, d_slots = torch.randperm(2 * count, generator=gen), torch.randperm(2 * count, generator=gen)
-        hc_in, hc_out = (host.data_ptr() + h_slots[:count].sort().values * size,
-                         host.data_ptr() + h_slots[count:].sort().values * size)
-        dc_in, dc_out = dev.data_ptr() + d_slots[:count] * size, dev.data_ptr() + d_slots[count:] * size
-        lengths = torch.full((count,), size, dtype=torch.int64)
-        h2d = lambda: driver.copy(dc_in, hc_in, lengths, stream())  # noqa: E731
-        d2h = lambda: driver.copy(hc_out, dc_out, lengths, stream())  # noqa: E731
+        # One copy of ``size`` bytes per slot: both sides as rows of ``size`` bytes, one run of one row each.
+        slots = direct.Pairs([(direct.Rows.at(dev.data_ptr(), size, size, dev.device.index, 2 * count),
+                               direct.Rows.at(host.data_ptr(), size, size, dev.device.index, 2 * count))])
+        back = direct.Pairs([(slots.src[0], slots.dst[0])])
+        one = torch.ones(count, dtype=torch.int64)
+        h2d_words = direct.describe_copies(slots, direct.Runs(d_slots[:count], h_slots[:count].sort().values, one))
+        d2h_words = direct.describe_copies(back, direct.Runs(h_slots[count:].sort().values, d_slots[count:], one))
+        h2d = lambda: runtime.memcpy_batch(h2d_words, stream())  # noqa: E731
+        d2h = lambda: runtime.memcpy_batch(d2h_words, stream())  # noqa: E731
         t_h2d, t_d2h = _gpu_seconds(torch, h2d), _gpu_seconds(torch, d2h)
         # The host's share: how long the call itself takes to return (the GPU idle before it, so the
         # copies cannot start until submitted), median of 8.

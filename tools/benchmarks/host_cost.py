@@ -105,7 +105,13 @@ def calls(ops, routed):
     # page_first host buffer (slots, layers, 1, dim) with per-layer views
     # (data_refs) cut once; a layer_first buffer (layers, slots, 1, dim)
     # indexed per call (a fresh view each time).
-    routed._kernel_ok[ROW] = True  # the probe's verdict, without a GPU
+    # The probe's verdict, without a GPU: in transfer/route.py since issue 34, in the routed ops before.
+    verdicts = getattr(routed, "_kernel_ok", None)
+    if verdicts is None:
+        from sglang_hicache_jit.transfer import route
+
+        verdicts = route._verdicts
+    verdicts[ROW] = True
     mla_dev3 = [fake_gpu.cuda(torch.zeros(SLOTS, 1, ROW, dtype=torch.uint8)) for _ in range(LAYERS)]
     pf_buf = fake_gpu.pinned(torch.zeros(SLOTS, LAYERS, 1, ROW, dtype=torch.uint8))
     data_refs = [fake_gpu.pinned(pf_buf.transpose(0, 1)[layer]) for layer in range(LAYERS)]

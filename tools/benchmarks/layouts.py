@@ -196,37 +196,25 @@ class Bench:
 
 def host_rows(pool, host_idx, layer: int):
     """The rows of host layer ``layer`` at token slots ``host_idx`` (CPU int64), read by the layout's shape
-    (docs/host_pool.md, "Layouts")."""
-    buf = pool.kv_buffer
-    if pool.layout == "layer_first":
-        return buf[layer, host_idx]
-    if pool.layout == "page_first":
-        return buf[host_idx, layer]
-    return buf[host_idx // pool.page_size, layer, host_idx % pool.page_size]
+    (transfer/layout.py)."""
+    from sglang_hicache_jit.transfer import layout
+
+    return pool.kv_buffer[layout.token_index(pool.layout, layer, host_idx, pool.page_size)]
 
 
 def set_host_rows(pool, host_idx, layer: int, values) -> None:
-    buf = pool.kv_buffer
-    if pool.layout == "layer_first":
-        buf[layer, host_idx] = values
-    elif pool.layout == "page_first":
-        buf[host_idx, layer] = values
-    else:
-        buf[host_idx // pool.page_size, layer, host_idx % pool.page_size] = values
+    from sglang_hicache_jit.transfer import layout
+
+    pool.kv_buffer[layout.token_index(pool.layout, layer, host_idx, pool.page_size)] = values
 
 
 def host_layer_view(pool, layer: int):
     """Host layer ``layer`` as the transfers see it: (rows, 1, D) with one slot stride; for
     page_first_direct the flat rows from the layer's first row, addressed by
-    ``pool.translate_host_indices`` (docs/host_pool.md, "Layouts")."""
-    buf = pool.kv_buffer
-    if pool.layout == "layer_first":
-        return buf[layer]
-    if pool.layout == "page_first":
-        return buf[:, layer]
-    flat = buf.view(-1, *buf.shape[3:])
-    rows = (pool.page_num - 1) * pool.layer_num * pool.page_size + pool.page_size
-    return flat[layer * pool.page_size: layer * pool.page_size + rows]
+    ``pool.translate_host_indices`` (transfer/layout.py)."""
+    from sglang_hicache_jit.transfer import layout
+
+    return layout.layer_rows(pool.kv_buffer, pool.layout, layer)
 
 
 def exact(bench: Bench, pool, device_pool, host_idx, dev_idx, op: str, call) -> bool:

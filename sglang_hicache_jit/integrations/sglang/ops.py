@@ -14,7 +14,8 @@ names, kinds, order and defaults; ``matching.py`` checks this per release):
 * ``sgl_kernel.kvcacheio`` (the ahead-of-time package): ``transfer_kv_*``.
 
 Every transfer runs this package's JIT kernel when the probe says ``ok`` for
-its row size, and the GPU's copy engines (``direct.py``) otherwise, so no
+its row size, and the GPU's copy engines (``direct.py``) otherwise (the
+choice, and the copy engines' plans, are ``transfer/route.py``'s), so no
 call depends on sgl-kernel, and no row size or kernel failure makes a pool
 raise. That is why the routed ``can_use_hicache_jit_kernel`` answers True for
 any positive row size: the "JIT" names can always be served. The routed
@@ -31,8 +32,6 @@ reads each table once (one device sync per table for the life of the pool).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 import math
 import threading
@@ -43,57 +42,27 @@ import torch
 from . import announce
 from .. import compat
 from ... import settings
-from ...transfer import bounds, direct, ops
+from ...transfer import bounds, direct, ops, route
+from ...transfer import layout as host_layout
 from ...transfer.abi import D2H_BLOCK_QUOTA
 from ...errors import BadSettingError
-from ...transfer.probe import probe
+from ...transfer.route import copy_engines_only  # noqa: F401  (the plugin's hooks and tests enter it from here)
 
 log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------
 # Path choice.
 
-_kernel_ok: dict = {}
-_choice_lock = threading.Lock()
-_copy_engines_only = contextvars.ContextVar("sglang_hicache_jit_copy_engines_only", default=False)
-
-
-@contextlib.contextmanager
-def copy_engines_only():
-    """Within this block every routed transfer uses the copy engines (a pool
-    asked for io_backend='direct' on a layout its direct branch lacks)."""
-    token = _copy_engines_only.set(True)
-    try:
-        yield
-    finally:
-        _copy_engines_only.reset(token)
-
-
 def kernel_available(element_size: int) -> bool:
-    """Whether rows of ``element_size`` bytes go through the JIT kernel.
-    Asked once per row size and process (``reset()`` forgets)."""
-    return _kernel_works(element_size) and not _copy_engines_only.get()
-
-
-def _kernel_works(element_size: int) -> bool:
-    """What the probe says for rows of ``element_size`` bytes, whatever the pool asked for."""
-    ok = _kernel_ok.get(element_size)
-    if ok is None:
-        announce.flush()  # the plugin's start line, now that the process logs (a pool is being built)
-        with _choice_lock:
-            result = probe(element_size)
-            ok = _kernel_ok[element_size] = result.available
-            if not ok:
-                log.warning("sglang-hicache-jit: rows of %s B use the copy-engine path: [%s] %s", element_size,
-                            result.code, result.reason)
-    return ok
+    """Whether rows of ``element_size`` bytes go through the JIT kernel (route.kernel_available): asked once
+    per row size and process (``reset()`` forgets); the first question logs the plugin's start line."""
+    return route.kernel_available(element_size, before_probe=announce.flush)
 
 
 def reset() -> None:
-    """Forgets the per-row-size choices (tests, or after a clean)."""
-    _kernel_ok.clear()
+    """Forgets the per-row-size choices and the copy engines' plans (tests, or after a clean)."""
+    route.reset()
     _table_values.clear()
-    _plans.clear()
     with _stagings_lock:
         _stagings.clear()
 
@@ -131,19 +100,12 @@ def _raw_pairs(dst_table, src_table, dst_stride: int, src_stride: int, row_bytes
             for d, s in zip(_addresses(dst_table), _addresses(src_table))]
 
 
-_plans = direct.PlanCache()  # the copy-engine plans of the last few transfers (a load's layers share one)
-
-
-def _copy(pairs, indices_dst, indices_src, *, page_size: int = 1, dst_rows=None, src_rows=None,
-          rows_key=None) -> None:
-    """direct.copy_rows, planned once for the layers of one load: SGLang's per-layer load loop passes the
-    same index tensors for every layer, and the layers' pairs differ only in their addresses (direct.CopyPlan).
-    ``rows_key`` names the ``dst_rows`` / ``src_rows`` maps (which are new functions on every call)."""
-    pairs = direct.Pairs(pairs)
-    plan = _plans.get((indices_dst, indices_src), (pairs.geometry, page_size, rows_key),
-                      lambda: direct.CopyPlan(pairs, direct.plan_runs(indices_dst, indices_src, page_size,
-                                                                       dst_rows=dst_rows, src_rows=src_rows)))
-    plan.run(pairs)
+def _copy(pairs, indices_dst, indices_src, *, page_size: int = 1, dst_rows=None, src_rows=None) -> None:
+    """The copy engines (route.copy: planned once per index bytes, so the layers of one load share a plan),
+    after checking the indices once. ``dst_rows`` / ``src_rows``: a side's layout.TokenRows."""
+    direct.check_pair(indices_dst, indices_src)
+    route.copy(direct.Pairs(pairs), indices_dst, indices_src, page_size=page_size, dst_map=dst_rows,
+               src_map=src_rows)
 
 
 def _view_rows(t: torch.Tensor, row_elems: int) -> torch.Tensor:
@@ -165,7 +127,7 @@ def layer_of(buffer: torch.Tensor, layer_id: int, item_size: int, layout_dim: in
     # In range, or flat[:, -2 * e:] would be layer L-2 (Python's negative indexing) and layer L past the end.
     layer_id = bounds.check_layer(layer_id, layout_dim // item_size, pool=f"{name} (a page_first buffer)")
     e = item_size // itemsize
-    return flat[:, layer_id * e:(layer_id + 1) * e]
+    return host_layout.layer_rows(flat.view(flat.shape[0], layout_dim // item_size, e), "page_first", layer_id)
 
 
 # ---------------------------------------------------------------------------
@@ -489,14 +451,10 @@ _stagings_lock = threading.Lock()
 def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, item_size: int, layout_dim: int,
                   num_layers: int) -> bool:
     """A page_first backup through the device staging area (transfer/staging.py: a gather by the kernel, then
-    flat copies of whole pages on the copy engines), where it applies; False: the caller copies rows.
-
-    Only with both index tensors on the CPU, which is what SGLang hands the copy engines (io_backend
-    'direct'): staging must read the indices on the host, and for GPU indices (SGLang's 'kernel' backend)
-    that would be a host sync in SGLang's scheduler thread, which the kernel's own backup never makes. The
-    gather takes the kernel (a few microseconds of SMs) even under 'direct', where the probe allows."""
-    if (num_layers < 2 or layout_dim != num_layers * item_size or dst_indices.is_cuda or src_indices.is_cuda
-            or any(h.is_cuda or not h.is_contiguous() for h in hosts) or not _kernel_works(item_size)):
+    flat copies of whole pages on the copy engines), where route.routed_stages says it applies and the budget
+    holds a token; False: the caller copies rows."""
+    if not route.routed_stages(num_layers=num_layers, layout_dim=layout_dim, item_size=item_size,
+                               indices=(dst_indices, src_indices), hosts=hosts, before_probe=announce.flush):
         return False
     budget = settings.staging_bytes()
     key = tuple(h.data_ptr() for h in hosts) + tuple(t.data_ptr() for t in src_tables) + (item_size, num_layers)
@@ -695,8 +653,8 @@ def _rows_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def page_first_direct_rows(buffer: torch.Tensor, layer_id: int, name: str = "buffer", tokens_name: str = "indices"):
-    """(flat rows, token -> row map for direct.copy_rows, page size) of one layer of a
-    (pages, layers, page_size, ...) buffer; the map refuses a token outside the buffer (bounds.token_rows)."""
+    """(flat rows, token -> row map for route.copy, page size) of one layer of a (pages, layers, page_size, ...)
+    buffer (layout.layer_rows, layout.TokenRows); the map refuses a token outside the buffer."""
     compat._cache(name, buffer)
     if buffer.dim() < 3 or not buffer.is_contiguous():
         raise ValueError(f"{name} must be a contiguous page_first_direct buffer (pages, layers, page_size, ...), got "
@@ -704,15 +662,9 @@ def page_first_direct_rows(buffer: torch.Tensor, layer_id: int, name: str = "buf
     pages, layers, page_size = buffer.shape[0], buffer.shape[1], buffer.shape[2]
     # In range: layer L would view the next page's layer 0.
     layer_id = bounds.check_layer(layer_id, layers, pool=f"{name} (a page_first_direct buffer)")
-    flat = buffer.view(pages * layers * page_size, -1)
-    # From this layer's first row to its last: the same count for every layer, so one plan serves them all.
-    span = (pages - 1) * layers * page_size + page_size
-
-    def to_rows(tokens: torch.Tensor) -> torch.Tensor:
-        return bounds.token_rows(tokens_name, tokens, page_size=page_size, page_rows=layers * page_size,
-                                 slots=pages * page_size)
-
-    return flat[layer_id * page_size:layer_id * page_size + span], to_rows, page_size
+    rows = host_layout.layer_rows(buffer, "page_first_direct", layer_id)
+    to_rows = host_layout.TokenRows(page_size, layers * page_size, pages * page_size, tokens_name)
+    return rows.view(rows.shape[0], -1), to_rows, page_size
 
 
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
@@ -724,8 +676,7 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
     for i, (host, dev) in enumerate(zip(src_ptrs, dst_ptrs)):
         flat, to_rows, rows_per_page = page_first_direct_rows(host, layer_id, f"src_ptrs[{i}]", "src_indices")
         pairs.append((_rows_of(dev), flat))
-    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, src_rows=to_rows,
-          rows_key=("page_first_direct", rows_per_page, src_ptrs[0].shape[1] if len(src_ptrs) else 0))
+    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, src_rows=to_rows)
 
 
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
@@ -739,8 +690,7 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
         for layer in range(layers_per_buffer):
             flat, to_rows, rows_per_page = page_first_direct_rows(host, layer, f"dst_ptrs[{b}]", "dst_indices")
             pairs.append((flat, _rows_of(src_ptrs[b * layers_per_buffer + layer])))
-    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, dst_rows=to_rows,
-          rows_key=("page_first_direct", rows_per_page, dst_ptrs[0].shape[1] if len(dst_ptrs) else 0))
+    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, dst_rows=to_rows)
 
 
 KVCACHEIO_OPS = (

@@ -34,7 +34,7 @@ import logging
 
 from . import announce
 from . import ops as routed
-from ...transfer import direct, ops
+from ...transfer import direct, ops, route
 from .matching import needs
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def _normalized(layout: str, io_backend: str):
 def _run(original, self, args, io_backend, kwargs):
     backend, engines_only = _normalized(self.layout, io_backend)
     if engines_only:
-        with routed.copy_engines_only():
+        with route.copy_engines_only():
             return original(self, *args, backend, **kwargs)
     return original(self, *args, backend, **kwargs)
 
@@ -72,14 +72,16 @@ def backup_from_device_all_layer(original, self, device_pool, host_indices, devi
 
 def _copy_layer(host_rows, host_index, device_rows, device_index, *, io_backend: str, row_bytes: int,
                 to_rows=None, page_size: int = 1) -> None:
-    """One layer, device -> host: through the kernel when asked and available, else the copy engines.
-    ``to_rows`` maps host token indices to rows of ``host_rows`` (None: the identity)."""
-    if io_backend == "kernel" and routed.kernel_available(row_bytes):
+    """One layer, device -> host: through the kernel when asked and available (route.hook_path), else the copy
+    engines, planned once per index bytes (route.copy: the layers of one layer-sharded backup share a plan).
+    ``to_rows`` maps host token indices to rows of ``host_rows`` (a layout.TokenRows; None: the identity)."""
+    if route.hook_path(io_backend, row_bytes, before_probe=announce.flush) == "kernel":
         ops.transfer_one_layer_mla(host_rows, host_index if to_rows is None else to_rows(host_index), device_rows,
                                    device_index)
     else:
-        direct.copy_rows([(host_rows, device_rows)], host_index, device_index, page_size=page_size,
-                         dst_rows=to_rows)
+        direct.check_pair(host_index, device_index)
+        route.copy(direct.Pairs([(host_rows, device_rows)]), host_index, device_index, page_size=page_size,
+                   dst_map=to_rows)
 
 
 # ---------------------------------------------------------------------------
