@@ -8,6 +8,8 @@
 #
 # Steps (in this order, those named in STEPS):
 #   build     prewarm the kernels into the benchmarks' cache (the tests build their own)  -> build.txt
+#   soak      tools/soak_direct.py, two threads, every row size SGLang uses, in the background while the
+#             tests run (T_SOAK seconds, default 300)                                     -> soak.{json,txt}
 #   tests     python3 -m pytest -q -m gpu tests                                          -> pytest-gpu.txt
 #   layouts   tools/bench.py layouts (loads and backups, every layout and io_backend)     -> layouts.{jsonl,txt}
 #   cta       tools/bench.py cta (the kernel's CTA budget beside the matmul)              -> cta.{jsonl,txt}
@@ -22,7 +24,7 @@ OUT=${OUT:-$PWD/gpu-out}
 STEPS=${STEPS:-build tests layouts cta}
 BUDGET=${BUDGET:-570}
 T_BUILD=${T_BUILD:-150} T_TESTS=${T_TESTS:-230} T_LAYOUTS=${T_LAYOUTS:-260} T_CTA=${T_CTA:-100}
-T_GRID=${T_GRID:-300} T_SGLANG=${T_SGLANG:-400}
+T_GRID=${T_GRID:-300} T_SGLANG=${T_SGLANG:-400} T_SOAK=${T_SOAK:-300}
 MIN_LAYOUTS=120 MIN_CTA=60  # what a later step needs at least; earlier steps leave it
 DRY=${DRY:-}
 export PYTHONUNBUFFERED=1 SGLANG_HICACHE_JIT_CACHE_DIR=${SGLANG_HICACHE_JIT_CACHE_DIR:-/tmp/hicache-cache}
@@ -61,9 +63,24 @@ fi
 if has build; then
   run build "$(box "$T_BUILD" layouts cta)" "$OUT/build.txt" python3 -m sglang_hicache_jit prewarm
 fi
+soak_pid=""
+if has soak; then
+  echo "== soak (${T_SOAK} s, in the background, ${SECONDS} s so far)"
+  if [ -n "$DRY" ]; then
+    echo "python3 tools/soak_direct.py --seconds $T_SOAK --threads 2 --out $OUT/soak.json"
+  else
+    timeout --signal=TERM --kill-after=30 $((T_SOAK + 60)) python3 tools/soak_direct.py --seconds "$T_SOAK" \
+      --threads 2 --out "$OUT/soak.json" > "$OUT/soak.txt" 2>&1 &
+    soak_pid=$!
+  fi
+fi
 if has tests; then
   run tests "$(box "$T_TESTS" layouts cta)" "$OUT/pytest-gpu.txt" python3 -m pytest -q -m gpu -p no:cacheprovider tests
   [ -z "$DRY" ] && grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.txt" | head -20
+fi
+if [ -n "$soak_pid" ]; then
+  wait "$soak_pid"
+  echo "soak rc=$?: $(tail -1 "$OUT/soak.txt")"
 fi
 if has layouts; then
   t=$(box "$T_LAYOUTS" cta)
