@@ -185,7 +185,7 @@ def _info() -> dict:
         if toolkit else None
     )
     info["ninja"] = find_ninja()
-    info["settings"] = settings.effective()
+    info["settings"] = _with_arch_errors(settings.effective())
     # In the loader's order: local prebuilt layers, the writable cache, then remote layers.
     prebuilt = settings.prebuilt_dirs()
     layers = [_layer_record("prebuilt", p, BuildCache(Path(p), prebuilt=True))
@@ -198,6 +198,24 @@ def _info() -> dict:
 
     info["sglang_plugin"] = describe()  # a switch that is neither on nor off: its line says so
     return info
+
+
+def _with_arch_errors(records: list) -> list:
+    """settings.effective() cannot parse arch lists (settings imports no subpackage): an arch variable that
+    names no arch is marked invalid here, so `info` does not show SGLANG_HICACHE_JIT_ARCH=sm_999 as usable."""
+    from .buildcache.arch import parse_arch_list
+
+    for record in records:
+        value = record["value"]
+        if record["variable"] not in (settings.ARCH, settings.TORCH_ARCH_LIST) or not value or record["error"]:
+            continue
+        if record["variable"] == settings.TORCH_ARCH_LIST and value.lower() == "native":
+            continue
+        try:
+            parse_arch_list(value)
+        except ValueError as exc:
+            record["error"] = str(settings.bad(record["variable"], value, str(exc)))
+    return records
 
 
 def _format_setting(s: dict) -> str:
