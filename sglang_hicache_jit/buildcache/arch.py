@@ -155,6 +155,20 @@ def current_gpu_capability(device: int | None = None) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
+def named_archs() -> tuple[tuple[Arch, ...], str] | None:
+    """The archs the environment names, with the variable that names them (SGLANG_HICACHE_JIT_ARCH, else
+    TORCH_CUDA_ARCH_LIST); None where neither is set, or the list says 'native' (the current GPU).
+    BadSettingError for a list that names no arch."""
+    named = settings.arch_request()
+    if named is None or (named[1] == settings.TORCH_ARCH_LIST and named[0].lower() == "native"):
+        return None
+    value, variable = named
+    try:
+        return parse_arch_list(value), variable
+    except ValueError as exc:
+        raise BadSettingError(f"{variable}={settings.shown(value)}: {exc}.", f"correct or unset {variable}.") from None
+
+
 def resolve_archs(arch: str | tuple[Arch, ...] | None = None, device: int | None = None
                   ) -> tuple[tuple[Arch, ...], str]:
     """The archs to build for and where they came from (for messages). Without
@@ -163,13 +177,9 @@ def resolve_archs(arch: str | tuple[Arch, ...] | None = None, device: int | None
         return arch, "argument"
     if arch is not None and str(arch).strip():
         return parse_arch_list(str(arch)), "argument"
-    named = settings.arch_request()
-    if named is not None and not (named[1] == settings.TORCH_ARCH_LIST and named[0].lower() == "native"):
-        value, variable = named
-        try:
-            return parse_arch_list(value), variable
-        except ValueError as exc:
-            raise BadSettingError(f"{variable}={settings.shown(value)}: {exc}.", f"correct or unset {variable}.") from None
+    named = named_archs()
+    if named is not None:
+        return named
     capability = current_gpu_capability(device)
     if capability is None:
         raise NoArchError(
