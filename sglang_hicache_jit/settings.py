@@ -195,6 +195,29 @@ def whole_number(text: str, low: int, high: int) -> int | None:
     return number if low <= number <= high else None
 
 
+def whole_number_option(text: str) -> int:
+    """argparse's ``type=`` for an option's whole number: ASCII digits 0-9 as whole_number reads them (int()
+    takes other scripts' digits: '--device ٣' was device 3)."""
+    number = whole_number(text.strip(), 0, 1 << 62)
+    if number is None:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a whole number written with the digits 0-9")
+    return number
+
+
+def decimal_option(text: str) -> float:
+    """argparse's ``type=`` for an option's decimal number: ASCII digits 0-9, a sign allowed (float() takes
+    other scripts' digits and '1_0'); nan, inf and signs are left to the option's own check, which says
+    what it expects."""
+    plain = text.strip()
+    if re.match(_DECIMAL, plain.lstrip("+-")) is None and plain.lower().lstrip("+-") not in ("nan", "inf", "infinity"):
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a number written with the digits 0-9")
+    return float(plain)
+
+
 def _whole_number(name: str, default, low: int, high: int):
     """The whole number in the variable ``name`` (see whole_number), or ``default`` when it is unset."""
     value = os.environ.get(name, "").strip()
