@@ -226,6 +226,69 @@ def test_runner_stops_the_whole_process_group_at_the_deadline(tmp_path):
     assert not _alive(grandchild)
 
 
+# A job whose child leaves its process group with setsid() (subprocess's start_new_session), the way a daemon
+# or a misbehaving worker does; ENV_CLEARED: the child also starts with an empty environment, so only the parent
+# links, seen while the job still ran, tie it to the job. The child writes its pid and sleeps a minute.
+_ESCAPING_CHILD = """
+import os, subprocess, sys, time
+env = {{}} if {cleared} else None
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True, env=env)
+open({pid_file!r}, "w").write(str(child.pid))
+time.sleep({stay})
+"""
+
+
+def _wait_gone(pid: int, seconds: float = 3.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("stay, cleared, status", [(60, False, "deadline"), (0, False, "done"), (1.0, True, "done"),
+                                                   (60, True, "deadline")],
+                         ids=["deadline", "finished", "finished-env-cleared", "deadline-env-cleared"])
+def test_a_child_that_calls_setsid_does_not_outlive_its_job(tmp_path, stay, cleared, status):
+    """Issue 35: the runner killed the job's process group only, so a child in a session of its own outlived
+    the deadline kill, and a finished job's children were left running."""
+    pid_file = tmp_path / "child.pid"
+    code = _ESCAPING_CHILD.format(cleared=cleared, pid_file=str(pid_file), stay=stay)
+    start = time.monotonic()
+    outcomes = runner.run([runner.Job("engine", [sys.executable, "-c", code], timeout=60, expect=0.1)], parallel=1,
+                          deadline=start + 2.5, log_dir=tmp_path, poll=0.1)
+    assert [o.status for o in outcomes] == [status], outcomes
+    child = int(pid_file.read_text())
+    assert _wait_gone(child), f"the job's child {child} outlived it"
+
+
+def test_a_grandchild_orphaned_in_a_session_of_its_own_is_stopped(tmp_path):
+    """A double fork: the job's child starts a grandchild in a new session and exits at once, so the grandchild
+    is an orphan before any poll could see its parent; its environment still names the job."""
+    pid_file = tmp_path / "grandchild.pid"
+    middle = _ESCAPING_CHILD.format(cleared=False, pid_file=str(pid_file), stay=0)
+    code = f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {middle!r}]); time.sleep(60)"
+    start = time.monotonic()
+    outcomes = runner.run([runner.Job("engine", [sys.executable, "-c", code], timeout=60, expect=0.1)], parallel=1,
+                          deadline=start + 2.0, log_dir=tmp_path, poll=0.5)
+    assert [o.status for o in outcomes] == ["deadline"]
+    assert _wait_gone(int(pid_file.read_text()))
+
+
+def test_the_runner_never_stops_what_is_not_its_jobs(tmp_path):
+    import subprocess
+
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        runner.run([_job("a", 0.2), _job("b", 30, timeout=0.5)], parallel=2, deadline=time.monotonic() + 10,
+                   log_dir=tmp_path, poll=0.05)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
 def test_jobs_die_with_a_runner_that_is_killed(tmp_path):
     """A runner killed from outside (a test's timeout, a device call's limit) leaves no job running."""
     import signal
