@@ -583,6 +583,7 @@ def test_image_list_lacks_every_small_wheel_carried():
     # built for another interpreter than the image's 3.12: cannot be imported there
     ("sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-311-x86_64-linux-gnu.so", False),
     ("sglang/srt/rust_extensions/_bench.cpython-311-x86_64-linux-gnu.so", False),
+    ("sglang/srt/rust_extensions/_bench.cpython-312-x86_64-linux-gnu.so", False),  # sglang.benchmark's only (0.5.23)
     ("sglang/srt/some_ext.abi3.so", True)])
 def test_carry_trims_what_a_server_never_imports(name, kept):
     assert carry._keep_in_sglang(name, "3.12") is kept

@@ -4,8 +4,9 @@ Written into one folder (``python3 tools/sglang_carry.py --server 0.5.17 -o /tmp
 
 * ``sglang-<X>.tar.gz``: the release's wheel (checked against the recorded sha256) without what a server
   never imports: ``multimodal_gen/``, ``benchmark/`` and the Rust extensions of the Rust HTTP/gRPC
-  servers and the multimodal preprocessor (``_core*.so`` up to 0.5.17, ``rust_extensions/_server``,
-  ``_grpc`` and ``_multimodal`` from 0.5.19; the Rust radix tree core stays);
+  servers, the multimodal preprocessor and the benchmark client (``_core*.so`` up to 0.5.17,
+  ``rust_extensions/_server``, ``_grpc`` and ``_multimodal`` from 0.5.19, ``_bench`` in 0.5.23, 8.3 MB, which
+  only ``sglang/benchmark`` imports; the Rust radix tree core stays);
 * ``sgl_kernel-<K>.tar.gz``: sglang-kernel's Python files, its sm90 library (``sm90/common_ops``),
   ``spatial_ops``, ``triton_kernels`` and its dist-info, without FA3, FlashMLA, InfLLM and the sm100
   library (about 1.1 GB the server path never loads with ``--attention-backend triton``);
@@ -80,7 +81,7 @@ IMAGE_VERSIONS = {"tokenizers": "0.23.2", "transformers": "5.17.0", "safetensors
 IMAGE_STACK = {"torch", "triton", "torchvision", "torchaudio", "sglang-kernel", "sglang", "sglang-hicache-jit"}
 
 _TRIM_SGLANG = re.compile(r"^sglang/(multimodal_gen|benchmark)/|/_core\.cpython-[^/]*\.so$"
-                          r"|^sglang/srt/rust_extensions/_(server|grpc|multimodal)\.cpython-[^/]*\.so$")
+                          r"|^sglang/srt/rust_extensions/_(server|grpc|multimodal|bench)\.cpython-[^/]*\.so$")
 # A CPython extension built for another interpreter cannot be imported by the target's (SGLang's wheels
 # are tagged cp311 and hold cpython-311 Rust extensions, 11.7 MB in 0.5.23; the image runs 3.12): its
 # importer falls back or the module is not on the server path, and the carry need not hold it.
