@@ -247,7 +247,7 @@ def _wait_gone(pid: int, seconds: float = 3.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize("stay, cleared, status", [(60, False, "deadline"), (0, False, "done"), (1.0, True, "done"),
+@pytest.mark.parametrize("stay, cleared, status", [(60, False, "deadline"), (0, False, "done"), (0.5, True, "done"),
                                                    (60, True, "deadline")],
                          ids=["deadline", "finished", "finished-env-cleared", "deadline-env-cleared"])
 def test_a_child_that_calls_setsid_does_not_outlive_its_job(tmp_path, stay, cleared, status):
@@ -257,7 +257,7 @@ def test_a_child_that_calls_setsid_does_not_outlive_its_job(tmp_path, stay, clea
     code = _ESCAPING_CHILD.format(cleared=cleared, pid_file=str(pid_file), stay=stay)
     start = time.monotonic()
     outcomes = runner.run([runner.Job("engine", [sys.executable, "-c", code], timeout=60, expect=0.1)], parallel=1,
-                          deadline=start + 2.5, log_dir=tmp_path, poll=0.1)
+                          deadline=start + 1.5, log_dir=tmp_path, poll=0.1)
     assert [o.status for o in outcomes] == [status], outcomes
     child = int(pid_file.read_text())
     assert _wait_gone(child), f"the job's child {child} outlived it"
@@ -271,7 +271,7 @@ def test_a_grandchild_orphaned_in_a_session_of_its_own_is_stopped(tmp_path):
     code = f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {middle!r}]); time.sleep(60)"
     start = time.monotonic()
     outcomes = runner.run([runner.Job("engine", [sys.executable, "-c", code], timeout=60, expect=0.1)], parallel=1,
-                          deadline=start + 2.0, log_dir=tmp_path, poll=0.5)
+                          deadline=start + 1.5, log_dir=tmp_path, poll=0.5)
     assert [o.status for o in outcomes] == ["deadline"]
     assert _wait_gone(int(pid_file.read_text()))
 
