@@ -128,7 +128,8 @@ def package_ops(record: dict) -> dict:
     for event in at_first:
         for op, tokens in event["ops"].items():
             per_op[op] = per_op.get(op, 0) + tokens
-    return {"ops": per_op, "moved": sum(per_op.values()), "loaded": sum(e.get("tokens", 0) for e in at_first),
+    return {"mode": record["spec"]["mode"], "ops": per_op, "moved": sum(per_op.values()),
+            "loaded": sum(e.get("tokens", 0) for e in at_first),
             "loads": len(loads), "short": sum(1 for e in loads if sum(e["ops"].values()) < e.get("tokens", 0)),
             "any": sum(sum(e["ops"].values()) for e in loads), "host_hit_tokens": record.get("host_hit_tokens", 0)}
 
@@ -255,9 +256,8 @@ def markdown(result: dict, ttft: list | None = None, label: str = "") -> str:
                   "layer) | control diffs on host hits | verdict |", "|---|---|---|---|---|---|---|---|---|"]
         for v in result["configurations"]:
             c = v["checks"]
-            ops = "; ".join(f"{cell.rsplit('-', 1)[-1]}: " + (", ".join(f"{op} {n}" for op, n in sorted(o["ops"].items()))
-                                                                or "none")
-                            for cell, o in sorted(c.get("package_ops", {}).items()))
+            ops = "; ".join(f"{o['mode']}: " + (", ".join(f"{op} {n}" for op, n in sorted(o["ops"].items())) or "none")
+                            for _, o in sorted(c.get("package_ops", {}).items()))
             controls = ", ".join(f"{x['differ']}/{x['host_hit_requests']}" for x in c.get("control_differs", {}).values())
             lines.append(f"| {v['release']} | {v['model']} | {v['io_backend']} | {v['layout']} | "
                          f"{', '.join(c['served'])} | {', '.join(str(x) for x in c.get('host_hits', {}).values())} | "
