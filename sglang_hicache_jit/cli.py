@@ -185,7 +185,7 @@ def _info() -> dict:
         if toolkit else None
     )
     info["ninja"] = find_ninja()
-    info["settings"] = settings.effective()
+    info["settings"] = _with_arch_errors(settings.effective())
     # In the loader's order: local prebuilt layers, the writable cache, then remote layers.
     prebuilt = settings.prebuilt_dirs()
     layers = [_layer_record("prebuilt", p, BuildCache(Path(p), prebuilt=True))
@@ -198,6 +198,24 @@ def _info() -> dict:
 
     info["sglang_plugin"] = describe()  # a switch that is neither on nor off: its line says so
     return info
+
+
+def _with_arch_errors(records: list) -> list:
+    """settings.effective() cannot parse arch lists (settings imports no subpackage): an arch variable that
+    names no arch is marked invalid here, so `info` does not show SGLANG_HICACHE_JIT_ARCH=sm_999 as usable."""
+    from .buildcache.arch import parse_arch_list
+
+    for record in records:
+        value = record["value"]
+        if record["variable"] not in (settings.ARCH, settings.TORCH_ARCH_LIST) or not value or record["error"]:
+            continue
+        if record["variable"] == settings.TORCH_ARCH_LIST and value.lower() == "native":
+            continue
+        try:
+            parse_arch_list(value)
+        except ValueError as exc:
+            record["error"] = str(settings.bad(record["variable"], value, str(exc)))
+    return records
 
 
 def _format_setting(s: dict) -> str:
@@ -258,13 +276,31 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _progress(line: str) -> None:
+    print(f"demo {line}", file=sys.stderr, flush=True)  # stderr: --json keeps stdout for the document
+
+
 def cmd_demo(args) -> int:
-    from .bench.demo import format_report, run_demo
+    tokens = settings.whole_number(args.tokens.strip(), 1, 1 << 62)
+    fix = "pass a positive multiple of 64 that fits in memory, e.g. --tokens 16384."
+    if tokens is None or tokens % 64:
+        raise _bad_option("--tokens", args.tokens if tokens is None else tokens,
+                          ValueError("it must be a positive multiple of 64, written with the digits 0-9"), fix)
+    from .bench.demo import check_tokens, format_report, run_demo
 
     try:
-        report = run_demo(args.tokens)
+        check_tokens(tokens)  # the size against free memory, before anything is allocated
+    except BadSettingError:
+        raise  # SGLANG_HICACHE_JIT_STAGING, not --tokens: it names itself
     except ValueError as exc:
-        raise _bad_option("--tokens", args.tokens, exc, "pass a positive multiple of 64, e.g. --tokens 16384.") from None
+        raise _bad_option("--tokens", tokens, exc, fix) from None
+    try:
+        report = run_demo(tokens, progress=None if args.quiet else _progress)
+    except RuntimeError as exc:  # memory taken by someone else since the check: torch's allocators say so
+        if "out of memory" not in str(exc) and "can't allocate memory" not in str(exc):
+            raise
+        raise BadSettingError(f"--tokens {tokens}: the demo ran out of memory ({str(exc).splitlines()[0][:200]}).",
+                              "pass a smaller --tokens, or free memory.") from None
     ok = all(r["bit_exact"] for r in report["results"])
     if args.json:
         _print_json({"ok": ok, **report})
@@ -406,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("check", cmd_check, "exit 0 when the one-layer kernel is available (for CI)")
     p.add_argument("--arch", help="check that these archs are built and loadable instead of probing the GPU")
     p.add_argument("--no-build", action="store_true", help="only look in the cache, never compile")
-    p.add_argument("--device", type=int, default=None, help="CUDA device to probe (default: current)")
+    p.add_argument("--device", type=settings.whole_number_option, default=None, help="CUDA device to probe (default: current)")
     json_flag(p)
 
     p = command("info", cmd_info, "versions, toolchain, every setting and where it came from, layers and entries")
@@ -420,8 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("demo", cmd_demo, "DeepSeek-V3-shaped HiCache backup/load through the probe's path and the "
                 "direct path: bit-exact checks and GB/s against the ceiling")
-    p.add_argument("--tokens", type=int, default=16384,
-                   help="tokens per transfer, a multiple of 64 (default 16384)")
+    p.add_argument("--tokens", default="16384",
+                   help="tokens per transfer, a multiple of 64 (default 16384); the pools must fit in free memory")
     json_flag(p)
 
     p = command("clean", cmd_clean, "remove cache entries (or only failed-build records)")
@@ -441,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("prune", cmd_prune, "remove least recently used and stale entries, failed-build records, debris")
     p.add_argument("--max-size", help=f"keep the entries under this size, e.g. 500M or 10G (default: "
                                       f"${settings.CACHE_MAX_SIZE}, else no size limit)")
-    p.add_argument("--older-than", type=float, metavar="DAYS", help="remove entries not loaded for DAYS days")
+    p.add_argument("--older-than", type=settings.decimal_option, metavar="DAYS", help="remove entries not loaded for DAYS days")
     json_flag(p)
 
     p = command("doctor", cmd_doctor, "check nvcc, ninja, the host compiler, versions, archs, the cache and the "

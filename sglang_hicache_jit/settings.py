@@ -189,6 +189,29 @@ def whole_number(text: str, low: int, high: int) -> int | None:
     return number if low <= number <= high else None
 
 
+def whole_number_option(text: str) -> int:
+    """argparse's ``type=`` for an option's whole number: ASCII digits 0-9 as whole_number reads them (int()
+    takes other scripts' digits: '--device ٣' was device 3)."""
+    number = whole_number(text.strip(), 0, 1 << 62)
+    if number is None:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a whole number written with the digits 0-9")
+    return number
+
+
+def decimal_option(text: str) -> float:
+    """argparse's ``type=`` for an option's decimal number: ASCII digits 0-9, a sign allowed (float() takes
+    other scripts' digits and '1_0'); nan, inf and signs are left to the option's own check, which says
+    what it expects."""
+    plain = text.strip()
+    if re.match(_DECIMAL, plain.lstrip("+-")) is None and plain.lower().lstrip("+-") not in ("nan", "inf", "infinity"):
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a number written with the digits 0-9")
+    return float(plain)
+
+
 def _whole_number(name: str, default, low: int, high: int):
     """The whole number in the variable ``name`` (see whole_number), or ``default`` when it is unset."""
     value = os.environ.get(name, "").strip()
@@ -221,13 +244,18 @@ def staging_bytes() -> int:
     return _size(STAGING, DEFAULT_STAGING_BYTES, f"correct or unset {STAGING} (0 turns staging off).")
 
 
+# A plain decimal number in ASCII: float() alone also takes other scripts' digits ('٣' is 3.0,
+# '５' is 5.0), '_' between digits, 'inf' and 'nan', none of which a person means by a number of seconds.
+_DECIMAL = r"(?a)^[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?$|^\.[0-9]+(?:[eE][+-]?[0-9]+)?$"
+
+
 def positive_number(name: str, value: str) -> float:
-    """A finite number above zero (nan, inf, 0 and negatives are refused: each one
-    would mean 'wait forever' or 'never', never what was meant)."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise bad(name, value, "it is not a number") from None
+    """A finite number above zero, written with ASCII digits (nan, inf, 0 and negatives are refused:
+    each one would mean 'wait forever' or 'never', never what was meant)."""
+    text = value.strip() if isinstance(value, str) else ""
+    if re.match(_DECIMAL, text) is None:
+        raise bad(name, value, "it must be a finite number above 0, written with the digits 0-9 (e.g. 120 or 0.5)")
+    number = float(text)
     if not math.isfinite(number) or number <= 0:
         raise bad(name, value, "it must be a finite number above 0")
     return number
@@ -253,7 +281,7 @@ def build_jobs() -> int | None:
 # ('s3://bucket/x', 'http://host:8080/x'): a scheme, '//', and a port are not separators.
 # Patterns in this module are compiled on first use (re caches them), not at import: each compile
 # costs 0.1-0.2 ms of the warm load, which reads this module but usually no list or size.
-_LIST_ITEM = r"[A-Za-z][A-Za-z0-9+.-]*://[^/:]*(?::\d+)?[^:]*|[^:]+"
+_LIST_ITEM = r"[A-Za-z][A-Za-z0-9+.-]*://[^/:]*(?::[0-9]+)?[^:]*|[^:]+"
 
 
 def split_path_list(text: str) -> list[str]:
@@ -304,16 +332,20 @@ def trusted_owners() -> frozenset[int]:
     return frozenset(uids)
 
 
-_SIZE = r"(?i)^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$"
+# ASCII only ((?a), [0-9]): \d would take other scripts' digits, so that 'STAGING=٣' read as 3 bytes
+# and '５１２M' as 512 MiB (Decimal() reads them too).
+_SIZE = r"(?ai)^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b?)\s*$"
 # 1 EiB: more than any disk, and far inside a C int64 (os, shutil and struct use those).
 MAX_SIZE = 1 << 60
 
 
 def parse_size(text: str) -> int:
-    """'500M', '10G', '1.5GiB', '4096' -> bytes (K/M/G/T are powers of 1024, as du and df count)."""
+    """'500M', '10G', '1.5GiB', '4096' -> bytes (K/M/G/T are powers of 1024, as du and df count).
+    Digits are ASCII 0-9 only."""
     match = re.match(_SIZE, str(text))
     if not match:
-        raise ValueError(f"{shown(text)} is not a size; write it like 500M, 10G or 1.5T (or a number of bytes)")
+        raise ValueError(f"{shown(text)} is not a size; write it like 500M, 10G or 1.5T (or a number of bytes), "
+                         "with the digits 0-9")
     number, unit, _ = match.groups()
     # Decimal, not float: a number of 400 digits must be refused, not become inf (OverflowError).
     from decimal import Decimal  # here, not at import: decimal costs ~1.3 ms of every warm load

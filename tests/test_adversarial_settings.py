@@ -341,3 +341,50 @@ def test_a_plugin_switch_that_is_neither_on_nor_off_is_refused(env, capsys, capl
 def test_the_plugin_switch_still_reads_on_and_off(env, value, enabled):
     env.setenv("SGLANG_HICACHE_JIT_SGLANG_PLUGIN", value)
     assert settings.sglang_plugin_enabled() is enabled
+
+
+# ---- issue 35: the size and number readers took other scripts' digits ('٣' read as 3 bytes, '５１２M' as 512 MiB) --
+
+NUMERIC = {  # each numeric setting and its reader
+    "SGLANG_HICACHE_JIT_STAGING": settings.staging_bytes,
+    "SGLANG_HICACHE_JIT_CACHE_MAX_SIZE": settings.cache_max_size,
+    "SGLANG_HICACHE_JIT_LOCK_TIMEOUT": settings.lock_timeout,
+    "SGLANG_HICACHE_JIT_BUILD_JOBS": settings.build_jobs,
+    "SGLANG_HICACHE_JIT_RESIDENT_BLOCKS": settings.resident_blocks,
+    "SGLANG_HICACHE_JIT_RESIDENT_IDLE_US": settings.resident_idle_us,
+    "SGLANG_HICACHE_BLOCK_QUOTA": settings.sglang_block_quota,
+}
+# Arabic-Indic 3, fullwidth 512M, Devanagari 4, mathematical bold 9, a superscript, '1' + Arabic-Indic 0,
+# and an underscore between digits (float('1_0') is 10.0).
+NOT_ASCII = ["\u0663", "\uff15\uff11\uff12M", "\u096a", "\U0001d7d7", "\u00b2", "1\u0660", "1_0"]
+
+
+@pytest.mark.parametrize("variable", sorted(NUMERIC))
+@pytest.mark.parametrize("value", NOT_ASCII, ids=["arabic-3", "fullwidth-512M", "devanagari-4", "bold-9",
+                                                  "superscript-2", "1-arabic-0", "underscore"])
+def test_numeric_settings_take_ascii_digits_only(env, variable, value):
+    env.setenv(variable, value)
+    with pytest.raises(errors.BadSettingError, match=variable) as info:
+        NUMERIC[variable]()
+    assert info.value.code == "bad_setting" and info.value.fix
+    record, = [r for r in settings.effective() if r["variable"] == variable]
+    assert record["value"] is None and variable in record["error"]
+
+
+@pytest.mark.parametrize("variable, value, expected", [
+    ("SGLANG_HICACHE_JIT_STAGING", "3", 3), ("SGLANG_HICACHE_JIT_STAGING", "512M", 512 << 20),
+    ("SGLANG_HICACHE_JIT_STAGING", " 1.5 GiB ", 3 << 29), ("SGLANG_HICACHE_JIT_CACHE_MAX_SIZE", "10g", 10 << 30),
+    ("SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "120", 120.0), ("SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "0.5", 0.5),
+    ("SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "1e3", 1000.0), ("SGLANG_HICACHE_JIT_LOCK_TIMEOUT", ".25", 0.25),
+])
+def test_ascii_numbers_still_read(env, variable, value, expected):
+    env.setenv(variable, value)
+    assert NUMERIC[variable]() == expected
+
+
+def test_info_shows_a_foreign_digit_setting_as_invalid(env, capsys):
+    env.setenv("SGLANG_HICACHE_JIT_STAGING", "\u0663")
+    code, out, err = run_main(capsys, "info")
+    assert code == 0 and "Traceback" not in err
+    line, = [x for x in out.splitlines() if x.strip().startswith("SGLANG_HICACHE_JIT_STAGING")]
+    assert "INVALID" in line and "0-9" in line

@@ -88,10 +88,14 @@ def test_fast_paths_parse_as_the_patterns_do():
             digits, minor = digits[:-1], digits[-1]
         if len(digits.lstrip("0")) > 2:  # majors are one or two digits (arch.MAX_MAJOR)
             return None
-        return arch.Arch(int(digits), int(minor), suffix.lower(), bool(ptx))
+        major, minor, suffix = int(digits), int(minor), suffix.lower()
+        if (major, minor) not in arch.KNOWN_CAPABILITIES or (suffix == "a" and major < 9) or \
+                (suffix == "f" and major < 10):  # no such GPU (issue 35)
+            return None
+        return arch.Arch(major, minor, suffix, bool(ptx))
 
     rng = random.Random(3)
-    samples = ["9.0", "0.5", "10.0", "9.0a", " 9.0 ", "9.x", "a.0", "9.00", "9,0", "9.0\u00a0"]
+    samples = ["9.0", "0.5", "10.0", "9.0a", "9.9", "8.0a", "12.0f", "9.0f", " 9.0 ", "9.x", "a.0", "9.00", "9,0", "9.0\u00a0"]
     samples += ["".join(rng.choice("0123456789.afsm_+PTX ") for _ in range(rng.randint(1, 5))) for _ in range(3000)]
     for text in samples:
         try:
@@ -121,3 +125,36 @@ def test_an_arch_major_is_read_by_the_bounded_reader(text):
     with pytest.raises(ValueError, match="major version must be at most 99") as info:
         parse_arch(text)
     assert len(str(info.value)) < 200 and "int-string" not in str(info.value)
+
+
+# ---- issue 35: `info` accepted SGLANG_HICACHE_JIT_ARCH=sm_999 (compute capability 99.9) -----------------------
+
+@pytest.mark.parametrize("text", ["sm_999", "99.9", "9.9", "0.5", "1.0", "13.0", "sm_91", "8.0a", "9.0f",
+                                  "9.\u0660", "sm_\u0669\u0660", "\uff19.0"])
+def test_an_arch_no_gpu_has_is_refused(text):
+    with pytest.raises(ValueError, match="compute capability|variant exists only|expected forms") as info:
+        parse_arch_list(text)
+    assert repr(text)[1:-1] in str(info.value) or text in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["3.5", "7.5", "8.6", "8.9", "9.0a", "10.0f", "10.3", "11.0", "12.1a", "sm_120",
+                                  "blackwell", "rubin", "Ampere"])
+def test_every_real_arch_is_still_read(text):
+    assert parse_arch_list(text)
+
+
+def test_info_marks_an_arch_no_gpu_has_invalid(monkeypatch, capsys):
+    from sglang_hicache_jit import cli
+
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_ARCH", "sm_999")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    line, = [x for x in out.splitlines() if x.strip().startswith("SGLANG_HICACHE_JIT_ARCH")]
+    assert "INVALID" in line and "99.9" in line
+    assert "loads 99.9" not in out and "no arch to load" in out
+    assert cli.main(["info", "--json"]) == 0
+    import json
+
+    document = json.loads(capsys.readouterr().out)
+    record, = [s for s in document["settings"] if s["variable"] == "SGLANG_HICACHE_JIT_ARCH"]
+    assert "99.9" in record["error"] and document["target"]["archs"] is None

@@ -219,3 +219,72 @@ def test_no_numpy_warning_from_the_cli(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sglang_hicache_jit", "check"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert "Warning" not in out.stderr and "NumPy" not in out.stderr, out.stderr
+
+
+# ---- issue 35 and issue 33 item 6: demo's size, its blame, and its progress -------------------------------------
+
+def test_demo_refuses_tokens_that_do_not_fit_before_allocating(cache, capsys, monkeypatch):
+    """--tokens 1099511627776 printed torch's allocation traceback; now one line says what fits."""
+    import torch as real_torch
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("the demo allocated before checking the size")
+
+    monkeypatch.setattr(real_torch, "randint", no_allocation)
+    code, out, err = run(capsys, "demo", "--tokens", "1099511627776")
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: [bad_setting] --tokens 1099511627776:") and "tokens fit here" in err, err
+
+
+def test_check_tokens_names_what_fits_in_host_and_gpu_memory(monkeypatch):
+    from sglang_hicache_jit.bench import demo
+
+    monkeypatch.delenv(settings.STAGING, raising=False)
+    monkeypatch.setattr(demo, "_available_host_bytes", lambda: 100 * 2**20)
+    per_token = demo.memory_needed(1, False)["host"]
+    fits = 100 * 2**20 // per_token // 64 * 64
+    demo.check_tokens(fits, on_gpu=False)
+    with pytest.raises(ValueError, match=f"host memory .* at most {fits} tokens fit here"):
+        demo.check_tokens(fits + 64, on_gpu=False)
+    monkeypatch.setattr(demo, "_available_host_bytes", lambda: 1 << 50)
+    monkeypatch.setattr(demo.torch.cuda, "mem_get_info", lambda *a: (2**30, 80 * 2**30))
+    with pytest.raises(ValueError, match="GiB of GPU memory and 1.0 GiB is free; at most 11648 tokens fit here"):
+        demo.check_tokens(1 << 20, on_gpu=True)
+    for bad in (0, -64, 100, 64.0, True, "64"):
+        with pytest.raises(ValueError, match="positive multiple of 64"):
+            demo.check_tokens(bad, on_gpu=False)
+
+
+@pytest.mark.parametrize("value", ["\u0663", "lots", "\uff15\uff11\uff12M"])
+def test_demo_blames_a_bad_staging_setting_not_tokens(cache, capsys, monkeypatch, value):
+    monkeypatch.setenv(settings.STAGING, value)
+    code, out, err = run(capsys, "demo", "--tokens", "64")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: [bad_setting] SGLANG_HICACHE_JIT_STAGING") and "--tokens" not in err, err
+
+
+@pytest.mark.parametrize("argv", [("demo", "--tokens", "\u0666\u0664"), ("check", "--device", "\u0663"),
+                                  ("prune", "--older-than", "\u0663"), ("bench", "--tokens", "\u0661\u0660\u0662\u0664"),
+                                  ("bench", "--gemm-seconds", "\uff15")])
+def test_numeric_options_take_ascii_digits_only(cache, capsys, argv):
+    """int() and float() take other scripts' digits: '--device ٣' was device 3, '--tokens ٦٤' 64 tokens."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exc:  # argparse's usage error
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err and "digits 0-9" in err, err
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the GPU edition checks its lines in test_host_pool_gpu.py")
+def test_demo_says_what_it_is_doing_while_it_runs(cache, capsys, monkeypatch):
+    monkeypatch.delenv(settings.STAGING, raising=False)
+    code, out, err = run(capsys, "demo", "--tokens", "128", "--json")
+    assert code == 0 and json.loads(out)["schema"] == 1  # the lines go to stderr; stdout stays one document
+    lines = [line for line in err.splitlines() if line.startswith("demo [")]
+    steps = ["filling 8 layers", "building a page_first host pool", "direct path: backing up",
+             "direct path: loading them back", "measuring the ceiling", "done"]
+    assert len(lines) == len(steps) and all(step in line for step, line in zip(steps, lines)), err
+    assert "HiCache host pool:" not in err  # the report says which path, without the pool's own line
+    code, out, err = run(capsys, "-q", "demo", "--tokens", "128")
+    assert code == 0 and "demo [" not in err

@@ -158,4 +158,10 @@ def test_demo_on_the_gpu_checks_both_paths_quickly():
         ("kernel", "backup"), ("kernel", "load"), ("direct", "backup"), ("direct", "load")}
     assert all(r["bit_exact"] for r in report["results"])
     assert seconds < 60, f"the demo took {seconds:.1f} s"
+    # Issue 33: it says what it does while it runs (one line per step on stderr).
+    steps = [line for line in out.stderr.splitlines() if line.startswith("demo [")]
+    for step in ("filling 8 layers", "building a page_first host pool", "kernel path: backing up",
+                 "kernel path: loading", "direct path: backing up", "direct path: loading", "measuring the ceiling",
+                 "done"):
+        assert sum(step in line for line in steps) == 1, (step, out.stderr)
     print(json.dumps({r["path"] + " " + r["op"]: round(r["GBps"], 1) for r in report["results"]}))

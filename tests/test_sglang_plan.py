@@ -7,6 +7,7 @@ and check it release by release. test_sglang_releases.py then checks, on each
 release's real code, that the live plugin decides the same.
 """
 
+import logging
 import ast
 import inspect
 import sys
@@ -253,3 +254,35 @@ def test_declared_needs_match_the_hook_code(hook):
     for param in params[1:]:
         assert _used(hook, param) == set(need.reads.get(param, ())), param
     assert _kwargs_read(hook) <= set(need.kwargs)
+
+
+# ---- issue 35: a hook on a pool instance without `layout` raised AttributeError -------------------------------
+
+def _call_with_sentinels(hook, pool, original):
+    """Calls ``hook`` as SGLang's AROUND would, with a sentinel per parameter (io_backend a real one)."""
+    params = [p[0] for p in matching.hook_params(hook)][1:]  # after self
+    args = tuple("direct" if name == "io_backend" else 7 if name == "layer_id" else object() for name in params)
+    return args, hook(original, pool, *args)
+
+
+LACKING = [pytest.param(hook, present, id=f"{hook.__name__}-{'+'.join(present) or 'nothing'}")
+           for hook in AROUND_HOOKS for present in ((), ("layout",)) if not set(hook.needs.attributes) <= set(present)]
+
+
+@pytest.mark.parametrize("hook, present", LACKING)
+def test_a_pool_without_what_a_hook_reads_runs_its_own_method(hook, present, caplog):
+    """A pool subclass that never sets `layout` (or another attribute the hook reads): the hook cannot tell
+    the cell, so SGLang's own method runs with the call as it came, and one WARNING per class says why."""
+    pool = type("CustomHostPool", (), {name: "page_first" for name in present})()
+    calls = []
+
+    def original(self, *args, **kwargs):
+        calls.append((self, args, kwargs))
+        return "upstream"
+
+    with caplog.at_level(logging.WARNING, logger=pools.log.name):
+        for _ in range(2):
+            args, result = _call_with_sentinels(hook, pool, original)
+            assert result == "upstream" and calls[-1] == (pool, args, {})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "CustomHostPool has no " in warnings[0] and "SGLang's own code" in warnings[0]

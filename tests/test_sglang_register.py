@@ -286,3 +286,101 @@ def test_a_table_that_cannot_be_opened_names_the_reason(table, monkeypatch):
     monkeypatch.setattr(support.safeio, "read_regular", denied)
     with pytest.raises(support.SupportTableError, match=r"cannot be read \(Permission denied\)"):
         support.release_row("0.5.23")
+
+
+# ---- issue 35: a bad setting raised later inside SGLang's backup thread; Ctrl-C left hooks behind --------------
+
+BAD_SETTINGS = [("SGLANG_HICACHE_JIT_STAGING", "\u0663"), ("SGLANG_HICACHE_JIT_STAGING", "\uff15\uff11\uff12M"),
+                ("SGLANG_HICACHE_JIT_STAGING", "lots"), ("SGLANG_HICACHE_JIT_METHOD", "fastest"),
+                ("SGLANG_HICACHE_JIT_RESIDENT_BLOCKS", "0"), ("SGLANG_HICACHE_JIT_RESIDENT_IDLE_US", "-5"),
+                ("SGLANG_HICACHE_JIT_DRIVER_BATCH", "maybe"), ("SGLANG_HICACHE_BLOCK_QUOTA", "0"),
+                ("SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "nan"), ("SGLANG_HICACHE_JIT_CACHE_MAX_SIZE", "big"),
+                ("SGLANG_HICACHE_JIT_BUILD_JOBS", "all"), ("SGLANG_HICACHE_JIT_ARCH", "sm_999"),
+                ("SGLANG_HICACHE_JIT_CACHE_DIR", "/proc/hicache"), ("SGLANG_HICACHE_JIT_TRUSTED_OWNERS", "nobody-here-x")]
+
+
+@pytest.mark.parametrize("variable, value", BAD_SETTINGS, ids=[f"{n.split('HICACHE_')[1]}={v!r}" for n, v in BAD_SETTINGS])
+def test_a_bad_setting_is_refused_when_the_plugin_registers(sglang, monkeypatch, caplog, variable, value):
+    """Refused means: no hook reaches SGLang's registry (so nothing of this package runs later, in its backup
+    thread or layer loop), the WARNING names the variable, and status and info say so. register() does not
+    raise, because SGLang's load_plugins() would log the traceback and serve on anyway."""
+    monkeypatch.setenv(variable, value)
+    plugin.register()
+    assert sglang.HookRegistry.calls == [] and registered(sglang.HookRegistry) == 0
+    assert plugin.status["registered"] is False and plugin.status["patched"] == []
+    assert variable in plugin.status["reason"] and plugin.status["reason"].startswith("BadSettingError")
+    warning, = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "plugin not active" in warning.getMessage() and variable in warning.getMessage()
+    described = support.describe()
+    assert described["active"] is False and variable in described["error"]
+    assert described["line"].startswith("not active, SGLang runs unchanged: ") and variable in described["line"]
+
+
+def test_a_bad_setting_does_not_matter_with_the_plugin_off(sglang, monkeypatch):
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_STAGING", "\u0663")
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_SGLANG_PLUGIN", "0")
+    plugin.register()
+    assert plugin.status["reason"] == "SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0"
+    assert support.describe()["error"] is None
+
+
+def _interrupting_registry(at: int, after_adding: bool):
+    """A registry stand-in whose ``at``-th register() call ends in KeyboardInterrupt (Ctrl-C), before or after
+    it added the hook to its table."""
+    registry = make_registry()
+    plain = registry.register.__func__
+
+    def register(cls, target, hook, hook_type=HookType.AFTER, *, source=None):
+        if len(cls.calls) + 1 == at:
+            if after_adding:
+                plain(cls, target, hook, hook_type, source=source)
+            raise KeyboardInterrupt
+        plain(cls, target, hook, hook_type, source=source)
+
+    registry.register = classmethod(register)
+    return registry
+
+
+@pytest.mark.parametrize("at", [1, 2, REPLACES + 1, len(TARGETS)])
+@pytest.mark.parametrize("after_adding", [False, True], ids=["before-adding", "after-adding"])
+def test_ctrl_c_while_registering_leaves_no_hook_and_a_true_status(sglang, caplog, at, after_adding):
+    sglang.HookRegistry = registry = _interrupting_registry(at, after_adding)
+    with pytest.raises(KeyboardInterrupt):
+        plugin.register()
+    assert dict(registry._hooks) == {}, "hooks stayed in SGLang's table"
+    assert plugin.status["registered"] is False and plugin.status["patched"] == []
+    assert "interrupted (KeyboardInterrupt)" in plugin.status["reason"]
+    assert "plugin not active" in caplog.text
+
+
+class _ListInterruptedOnSecondPass(list):
+    """The planner's decisions; iterating them a second time (while register() records what it did) is
+    where the KeyboardInterrupt lands."""
+
+    passes = 0
+
+    def __iter__(self):
+        type(self).passes += 1
+        if type(self).passes == 2:
+            raise KeyboardInterrupt
+        return super().__iter__()
+
+
+def test_ctrl_c_after_the_last_hook_still_takes_every_hook_back(sglang, monkeypatch):
+    decisions = _ListInterruptedOnSecondPass(Decision(t, t.paths[0], t.hooks[0]) for t in TARGETS)
+    monkeypatch.setattr(plan_module, "plan", lambda facts: decisions)
+    with pytest.raises(KeyboardInterrupt):
+        plugin.register()
+    assert len(sglang.HookRegistry.calls) == len(TARGETS) and registered(sglang.HookRegistry) == 0
+    assert plugin.status["registered"] is False and plugin.status["patched"] == []
+
+
+def test_ctrl_c_before_the_first_hook_says_so(sglang, monkeypatch):
+    def interrupted(facts):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan_module, "plan", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        plugin.register()
+    assert sglang.HookRegistry.calls == [] and plugin.status["registered"] is False
+    assert "interrupted (KeyboardInterrupt) before any hook" in plugin.status["reason"]

@@ -226,6 +226,69 @@ def test_runner_stops_the_whole_process_group_at_the_deadline(tmp_path):
     assert not _alive(grandchild)
 
 
+# A job whose child leaves its process group with setsid() (subprocess's start_new_session), the way a daemon
+# or a misbehaving worker does; ENV_CLEARED: the child also starts with an empty environment, so only the parent
+# links, seen while the job still ran, tie it to the job. The child writes its pid and sleeps a minute.
+_ESCAPING_CHILD = """
+import os, subprocess, sys, time
+env = {{}} if {cleared} else None
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True, env=env)
+open({pid_file!r}, "w").write(str(child.pid))
+time.sleep({stay})
+"""
+
+
+def _wait_gone(pid: int, seconds: float = 3.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("stay, cleared, status", [(60, False, "deadline"), (0, False, "done"), (0.5, True, "done"),
+                                                   (60, True, "deadline")],
+                         ids=["deadline", "finished", "finished-env-cleared", "deadline-env-cleared"])
+def test_a_child_that_calls_setsid_does_not_outlive_its_job(tmp_path, stay, cleared, status):
+    """Issue 35: the runner killed the job's process group only, so a child in a session of its own outlived
+    the deadline kill, and a finished job's children were left running."""
+    pid_file = tmp_path / "child.pid"
+    code = _ESCAPING_CHILD.format(cleared=cleared, pid_file=str(pid_file), stay=stay)
+    start = time.monotonic()
+    outcomes = runner.run([runner.Job("engine", [sys.executable, "-c", code], timeout=60, expect=0.1)], parallel=1,
+                          deadline=start + 1.5, log_dir=tmp_path, poll=0.1)
+    assert [o.status for o in outcomes] == [status], outcomes
+    child = int(pid_file.read_text())
+    assert _wait_gone(child), f"the job's child {child} outlived it"
+
+
+def test_a_grandchild_orphaned_in_a_session_of_its_own_is_stopped(tmp_path):
+    """A double fork: the job's child starts a grandchild in a new session and exits at once, so the grandchild
+    is an orphan before any poll could see its parent; its environment still names the job."""
+    pid_file = tmp_path / "grandchild.pid"
+    middle = _ESCAPING_CHILD.format(cleared=False, pid_file=str(pid_file), stay=0)
+    code = f"import subprocess, sys, time; subprocess.run([sys.executable, '-c', {middle!r}]); time.sleep(60)"
+    start = time.monotonic()
+    outcomes = runner.run([runner.Job("engine", [sys.executable, "-c", code], timeout=60, expect=0.1)], parallel=1,
+                          deadline=start + 1.5, log_dir=tmp_path, poll=0.5)
+    assert [o.status for o in outcomes] == ["deadline"]
+    assert _wait_gone(int(pid_file.read_text()))
+
+
+def test_the_runner_never_stops_what_is_not_its_jobs(tmp_path):
+    import subprocess
+
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        runner.run([_job("a", 0.2), _job("b", 30, timeout=0.5)], parallel=2, deadline=time.monotonic() + 10,
+                   log_dir=tmp_path, poll=0.05)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
 def test_jobs_die_with_a_runner_that_is_killed(tmp_path):
     """A runner killed from outside (a test's timeout, a device call's limit) leaves no job running."""
     import signal
@@ -299,7 +362,16 @@ POOL = ("INFO sglang_hicache_jit.integrations.sglang.pools: sglang-hicache-jit: 
         "(layout=page_first, 1152 B rows) transfers through the JIT kernel with io_backend=kernel")
 
 
-def _record(mode, outputs, *, host=1024, io="kernel", layout="page_first", ok=True, log=""):
+def _loads(mode, requests, layers=4, op="transfer_kv_per_layer_mla"):
+    """The harness trace of an engine that loaded back each host-hit request's tokens at every layer, through the
+    package's op when the plugin is on."""
+    plugin = mode in summary.PLUGIN_MODES
+    return [{"event": "load", "pool": "MLATokenToKVPoolHost", "layer": layer, "tokens": r["host_hit"],
+             "io_backend": "kernel", "ops": {op: r["host_hit"]} if plugin else {}}
+            for r in requests if r["host_hit"] for layer in range(layers)]
+
+
+def _record(mode, outputs, *, host=1024, io="kernel", layout="page_first", ok=True, log="", effective=True):
     requests = [{"id": f"r{i}", "phase": "reload", "output_ids": o, "logprobs": [-0.5] * len(o), "host_hit": host}
                 for i, o in enumerate(outputs)]
     requests += [{"id": "sensitivity-a", "phase": "sensitivity", "output_ids": [1], "logprobs": [-1.0],
@@ -308,57 +380,125 @@ def _record(mode, outputs, *, host=1024, io="kernel", layout="page_first", ok=Tr
                   "host_hit": 0}]
     if mode.startswith("plugin") and not log:
         log = START + "\n" + POOL
-    return {"cell": f"0.5.17-mla-tiny-{io}-{layout}-{mode}", "ok": ok, "error": "" if ok else "ValueError: no",
-            "spec": {"release": "0.5.17", "kind": "mla-tiny", "io_backend": io, "layout": layout, "mode": mode},
-            "effective": {"hicache_io_backend": io, "hicache_mem_layout": layout}, "requests": requests,
-            "host_hit_tokens": host * len(outputs), "_log": log}
+    record = {"cell": f"0.5.17-mla-tiny-{io}-{layout}-{mode}", "ok": ok, "error": "" if ok else "ValueError: no",
+              "spec": {"release": "0.5.17", "kind": "mla-tiny", "io_backend": io, "layout": layout, "mode": mode},
+              "requests": requests, "host_hit_tokens": host * len(outputs), "_log": log,
+              "_trace": _loads(mode, requests) if ok else []}
+    if effective:
+        record["effective"] = dict(zip(("hicache_io_backend", "hicache_mem_layout"), plan.effective(io, layout)))
+    return record
 
 
 GOOD = [[1, 2], [3, 4]]
+CONTROL = [[7, 7], [9, 9]]  # differs from GOOD on every host-hit request
 
 
-def _verdict(records):
-    return summary.judge(records)["configurations"][0]["verdict"]
+def _verdict(records, **kw):
+    return summary.judge(records, **kw)["configurations"][0]["verdict"]
+
+
+def _full():
+    return [_record(m, GOOD) for m in ("upstream", "plugin", "plugin-nojit")] + [_record("control", CONTROL)]
 
 
 def test_judge_passes_equal_modes_with_a_differing_control():
-    records = [_record(m, GOOD) for m in ("upstream", "plugin", "plugin-nojit")] + [
-        _record("control", [[1, 2], [9, 9]])]
-    result = summary.judge(records)
-    assert result["passed"] and result["configurations"][0]["checks"]["control_differs"] == {
-        "0.5.17-mla-tiny-kernel-page_first-control": 1}
+    result = summary.judge(_full())
+    assert result["passed"], result
+    checks = result["configurations"][0]["checks"]
+    assert checks["control_differs"] == {"0.5.17-mla-tiny-kernel-page_first-control": {
+        "host_hit_requests": 2, "differ": 2, "same_hits_as_reference": True}}
+    assert checks["package_ops"]["0.5.17-mla-tiny-kernel-page_first-plugin"]["ops"] == {
+        "transfer_kv_per_layer_mla": 2048}
+    assert checks["package_ok"] == {r["cell"]: True for r in _full()}
+
+
+def _no_ops(record):
+    for event in record["_trace"]:
+        event["ops"] = {}
+
+
+def _short(record):
+    record["_trace"][-1]["ops"] = {"transfer_kv_per_layer_mla": 512}  # the last layer's load: half its rows
 
 
 @pytest.mark.parametrize("broken, why", [
     (lambda rs: rs[1]["requests"][0].update(output_ids=[1, 3]), "outputs differ"),
     (lambda rs: rs[1]["requests"][0].update(logprobs=[-0.5, -0.6]), "outputs differ"),
-    (lambda rs: rs[3]["requests"][1].update(output_ids=[3, 4]), "negative control equalled"),
+    (lambda rs: rs[3]["requests"][1].update(output_ids=[3, 4]), "negative control equalled the reference on a host-hit"),
+    # Issue 35: the control's differences counted over every request; a non-host-hit difference covered a host hit
+    (lambda rs: (rs[3]["requests"][0].update(output_ids=[1, 2]), rs[3]["requests"][-1].update(output_ids=[5])),
+     "negative control equalled the reference on a host-hit"),
     (lambda rs: rs[2].update(host_hit_tokens=0), "no host hit"),
     (lambda rs: rs[0]["requests"][-1].update(output_ids=[1]), "sensitivity pair"),
     (lambda rs: rs[1].update(_log=START + "\n" + POOL + "\n[12:00:01] ERROR sglang: boom"), "error lines"),
     (lambda rs: rs[0].update(_log="Traceback (most recent call last):"), "error lines"),
     (lambda rs: rs[1].update(_log=POOL), "start line"),
+    # Issue 35: a plugin engine that raised or timed out passed its configuration
+    (lambda rs: rs[1].update(ok=False, error="TimeoutError: engine"), "engines that did not finish: "
+                                                                     "0.5.17-mla-tiny-kernel-page_first-plugin"),
+    # Issue 35: nothing proved per engine that the package moved the bytes
+    (lambda rs: _no_ops(rs[1]), "the trace of 0.5.17-mla-tiny-kernel-page_first-plugin does not show"),
+    (lambda rs: _no_ops(rs[2]), "the trace of 0.5.17-mla-tiny-kernel-page_first-plugin-nojit does not show"),
+    (lambda rs: rs[1].update(_trace=[]), "moved 0 of 2048"),
+    (lambda rs: _short(rs[1]), "1 of 8 loads short"),
+    (lambda rs: rs[0]["_trace"][0]["ops"].update(transfer_kv_per_layer_mla=1024), "kernel-page_first-upstream does not"),
 ])
 def test_judge_fails_each_broken_check(broken, why):
-    records = [_record(m, GOOD) for m in ("upstream", "plugin", "plugin-nojit")] + [_record("control", [[1, 2],
-                                                                                                     [9, 9]])]
-    records[3]["requests"][1]["output_ids"] = [9, 9]
+    records = _full()
     broken(records)
     verdict = _verdict(records)
     assert verdict.startswith("fail") and why in verdict, verdict
 
 
-def test_judge_records_upstream_refusals_and_groups_rewritten_requests():
-    records = [_record("upstream", GOOD, ok=False), _record("plugin", GOOD), _record("plugin-nojit", GOOD)]
-    rewritten = _record("plugin", GOOD, io="kernel", layout="page_first_direct")
-    rewritten["effective"] = {"hicache_io_backend": "direct", "hicache_mem_layout": "page_first_direct"}
-    direct = [_record(m, [[5], [6]], io="direct", layout="page_first_direct") for m in ("upstream", "plugin")]
-    result = summary.judge(records + [rewritten] + direct)
-    by_pair = {(v["io_backend"], v["layout"]): v for v in result["configurations"]}
-    assert by_pair[("kernel", "page_first")]["checks"]["raised"] == {
+def test_a_planned_engine_without_a_result_fails_its_configuration():
+    cells = plan.matrix("0.5.17", models=("mla-tiny",))
+    kernel_pf = [c for c in cells if (c.io_backend, c.layout) == ("kernel", "page_first") and c.mode != "control-plugin"]
+    records = _full()
+    assert {r["cell"] for r in records} == {c.name for c in kernel_pf}
+    outcomes = {c.name: "done" for c in kernel_pf}
+    assert _verdict(records, cells=kernel_pf, outcomes=outcomes) == "pass"
+    timed_out = records[:1] + records[2:]  # the plugin engine was killed before it wrote its JSON
+    outcomes["0.5.17-mla-tiny-kernel-page_first-plugin"] = "timeout"
+    verdict = _verdict(timed_out, cells=kernel_pf, outcomes=outcomes)
+    assert verdict.startswith("fail: engines that did not finish: 0.5.17-mla-tiny-kernel-page_first-plugin"), verdict
+    result = summary.judge(timed_out, cells=kernel_pf, outcomes=outcomes)
+    assert result["configurations"][0]["checks"]["unfinished"] == {
+        "0.5.17-mla-tiny-kernel-page_first-plugin": "no result (timeout)"}
+    assert not result["passed"]
+
+
+def test_an_upstream_refusal_fails_its_configuration():
+    records = _full()
+    records[0].update(ok=False, error="ValueError: no", _trace=[])
+    result = summary.judge(records)
+    verdict = result["configurations"][0]["verdict"]
+    assert verdict.startswith("fail: engines that did not finish: 0.5.17-mla-tiny-kernel-page_first-upstream")
+    assert result["configurations"][0]["checks"]["raised"] == {
         "0.5.17-mla-tiny-kernel-page_first-upstream": "ValueError: no"}
-    assert by_pair[("kernel", "page_first")]["verdict"] == "pass"
-    assert by_pair[("direct", "page_first_direct")]["verdict"].startswith("fail: outputs differ")  # [[1,2],...] vs [[5],[6]]
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded-effective", "plan-effective"])
+def test_a_rewritten_request_is_judged_with_the_configuration_it_becomes(recorded):
+    """kernel + page_first_direct runs as direct + page_first_direct, direct + page_first too: each is judged
+    there (from its recorded effective arguments, or the plan's rewrite table when it has none), not shown
+    as an incomplete configuration of its own."""
+    base = [_record(m, [[5], [6]], io="direct", layout="page_first_direct") for m in ("upstream", "plugin")]
+    rewritten = [_record("plugin", [[5], [6]], io=io, layout=layout, effective=recorded)
+                 for io, layout in plan.REWRITTEN]
+    result = summary.judge(base + rewritten)
+    assert [(v["io_backend"], v["layout"], v["verdict"]) for v in result["configurations"]] == [
+        ("direct", "page_first_direct", "pass")]
+    assert set(result["configurations"][0]["checks"]["equal"]) == {r["cell"] for r in base + rewritten}
+    rewritten[0]["requests"][0]["output_ids"] = [7]
+    assert _verdict(base + rewritten).startswith("fail: outputs differ")
+
+
+def test_a_rewrite_other_than_the_plan_says_fails():
+    records = [_record(m, GOOD) for m in ("upstream", "plugin")]
+    odd = _record("plugin-nojit", GOOD, io="kernel", layout="page_first_direct")
+    odd["effective"] = {"hicache_io_backend": "kernel", "hicache_mem_layout": "page_first"}
+    verdict = _verdict(records + [odd])
+    assert verdict.startswith("fail: SGLang rewrote a pair otherwise than the plan says"), verdict
 
 
 def test_judge_is_incomplete_with_fewer_than_two_modes():
@@ -443,6 +583,7 @@ def test_image_list_lacks_every_small_wheel_carried():
     # built for another interpreter than the image's 3.12: cannot be imported there
     ("sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-311-x86_64-linux-gnu.so", False),
     ("sglang/srt/rust_extensions/_bench.cpython-311-x86_64-linux-gnu.so", False),
+    ("sglang/srt/rust_extensions/_bench.cpython-312-x86_64-linux-gnu.so", False),  # sglang.benchmark's only (0.5.23)
     ("sglang/srt/some_ext.abi3.so", True)])
 def test_carry_trims_what_a_server_never_imports(name, kept):
     assert carry._keep_in_sglang(name, "3.12") is kept
@@ -512,6 +653,52 @@ def test_negative_control_zeroes_exactly_the_loaded_rows(monkeypatch, tmp_path):
     assert json.loads(trace.read_text().splitlines()[-1])["tokens"] == 2
 
 
+def test_harness_counts_the_package_ops_a_load_calls(monkeypatch, tmp_path):
+    """Issue 35: the trace records, per load-back, the tokens each of this package's ops moved, found where
+    SGLang's REPLACE bound them (a functools.wraps wrapper bearing upstream's name, in the pool's module)."""
+    import functools
+    import types
+
+    torch = pytest.importorskip("torch")
+    from sglang_hicache_jit.integrations.sglang import ops as routed
+
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_DISABLE", "1")  # the copy engines' path, which serves CPU tensors
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("HICACHE_SERVER_TRACE", str(trace))
+    monkeypatch.delenv("HICACHE_SERVER_CORRUPT", raising=False)
+
+    def upstream(src, dst, src_indices, dst_indices, item_size, block_quota=None, num_warps_per_block=32):
+        dst[dst_indices] = src[src_indices]
+
+    hook = routed.transfer_kv_per_layer_mla
+
+    @functools.wraps(upstream)
+    def replaced(*args, **kwargs):  # what SGLang's HookRegistry binds for a REPLACE hook (hook_registry._wrap_fn)
+        return hook(*args, **kwargs)
+
+    module = types.ModuleType("sglang.h35_pool_module")
+    module.transfer_kv_per_layer_mla, module.untouched = replaced, upstream
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert harness_plugin.count_package_ops() >= 1 and module.untouched is upstream
+    assert module.transfer_kv_per_layer_mla is not replaced
+    assert harness_plugin.count_package_ops() >= 1 and harness_plugin.package_op(module.untouched) is None
+    host, device = torch.randn(64, 1, 64).to(torch.bfloat16), torch.zeros(32, 1, 64, dtype=torch.bfloat16)
+
+    def load(self, device_pool, host_indices, device_indices, layer_id, io_backend):
+        module.transfer_kv_per_layer_mla(host, device, host_indices, device_indices, 128)
+
+    pool = SimpleNamespace()
+    harness_plugin.load_hook(load, pool, SimpleNamespace(kv_buffer=[device]), torch.arange(8, 16), torch.arange(8), 0,
+                             "kernel")
+    assert torch.equal(device[:8], host[8:16])  # the package's op moved the rows
+    module.transfer_kv_per_layer_mla(host, device, torch.arange(4), torch.arange(4), 128)  # outside a load: not counted
+    harness_plugin.load_hook(lambda *a: upstream(host, device, a[2], a[3], 128), pool, None, torch.arange(4),
+                             torch.arange(4), 1, "kernel")
+    first, second = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert first["ops"] == {"transfer_kv_per_layer_mla": 8} and first["tokens"] == 8 and first["layer"] == 0
+    assert second["ops"] == {} and second["layer"] == 1  # upstream's op moved these rows
+
+
 @pytest.mark.parametrize("pool, device, expect", [
     (SimpleNamespace(_buffer_index_by_layer={3: 1}, device_kv_buffers=["a", "b"]), None, ["b"]),  # MLA 0.5.23
     (SimpleNamespace(device_k_buffers=["k0", "k1"], device_v_buffers=["v0", "v1"]), None, ["k1", "v1"]),  # MHA 0.5.23
@@ -552,6 +739,15 @@ def test_server_imports_does_not_call_an_installed_package_missing_for_a_lacking
 
 # ---------------------------------------------------------------------------
 # main.py end to end, with a stand-in for sglang.Engine (the real one runs on the GPU machine).
+#
+# The stand-in plays SGLang's part as far as the judge looks: its load_plugins() runs the harness plugin
+# through a HookRegistry that applies hooks as 0.5.11-0.5.23's does (REPLACE through a functools.wraps
+# wrapper, propagated to the modules that imported the name), and its MLA host pool loads a host hit back
+# layer by layer through the op its module imported from sgl_kernel.kvcacheio. With the plugin on, the
+# stand-in does what this package's plugin does there: it REPLACEs that op with the package's own routed
+# op (the real one; the copy engines' path runs on CPU tensors). An output depends on the rows loaded back.
+# STANDIN_BROKEN makes a plugin engine broken: "unrouted" (its log claims the plugin, but the op stays
+# upstream's) or "raises" (the engine fails to start).
 
 _FAKE_SGLANG = {
     "sglang/__init__.py": """
@@ -560,18 +756,38 @@ from types import SimpleNamespace
 __version__ = "0.0.0+standin"
 REWRITE = {("kernel", "page_first_direct"): ("direct", "page_first_direct"),
            ("direct", "page_first"): ("direct", "page_first_direct")}
+PLUGIN_ON = os.environ.get("SGLANG_HICACHE_JIT_SGLANG_PLUGIN") == "1"
+BROKEN = os.environ.get("STANDIN_BROKEN", "") if PLUGIN_ON else ""
+
 
 class Engine:
     def __init__(self, **kw):
+        import torch
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        if BROKEN == "raises":
+            raise RuntimeError("stand-in: the plugin engine failed to start")
         io, layout = REWRITE.get((kw["hicache_io_backend"], kw["hicache_mem_layout"]),
                                  (kw["hicache_io_backend"], kw["hicache_mem_layout"]))
+        self.io_backend = io
         self.server_args = SimpleNamespace(**dict(kw, hicache_io_backend=io, hicache_mem_layout=layout))
-        if os.environ.get("SGLANG_HICACHE_JIT_SGLANG_PLUGIN") == "1":
+        if PLUGIN_ON:
+            if BROKEN != "unrouted":
+                from sglang_hicache_jit.integrations.sglang import ops
+                HookRegistry.register("sgl_kernel.kvcacheio.transfer_kv_per_layer_mla", ops.transfer_kv_per_layer_mla,
+                                      HookType.REPLACE)
             print("[t] INFO sglang_hicache_jit.plugin: sglang-hicache-jit: sglang 0.0.0 (x): routing 21 HiCache ops",
                   file=sys.stderr)
             print("[t] INFO p: sglang-hicache-jit: MLATokenToKVPoolHost (layout=page_first, 1152 B rows) transfers",
                   file=sys.stderr)
-        self.seen = set()
+        load_plugins()
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+        self.pool = MLATokenToKVPoolHost(layout=layout)
+        self.device = SimpleNamespace(kv_buffer=[torch.zeros(16384, 1, 64, dtype=torch.bfloat16) for _ in range(4)],
+                                      start_layer=0)
+        self.seen = {}
         self.loop = asyncio.new_event_loop()
 
     async def async_generate(self, input_ids, sampling_params, return_logprob=False):
@@ -581,10 +797,17 @@ class Engine:
         return self.generate(input_ids, sampling_params)
 
     def generate(self, input_ids, sampling_params, return_logprob=False):
+        import torch
+
         head = tuple(input_ids[:1024])
         host = len(input_ids) // 1024 * 1024 if len(input_ids) > 1024 and head in self.seen else 0
-        self.seen.add(head)
-        salt = 1 if host and os.environ.get("HICACHE_SERVER_CORRUPT") == "zero" else 0
+        slot = self.seen.setdefault(head, len(self.seen) * 8192 % 65536)
+        salt = 0
+        if host:  # a host hit: its rows come back from the host pool, layer by layer
+            host_indices, device_indices = torch.arange(slot, slot + host), torch.arange(host)
+            for layer in range(4):
+                self.pool.load_to_device_per_layer(self.device, host_indices, device_indices, layer, self.io_backend)
+            salt = int(self.device.kv_buffer[0][:host].float().abs().sum().item() * 1000) % 89
         ids = [(sum(input_ids) + i + salt) % 97 for i in range(sampling_params["max_new_tokens"])]
         return {"output_ids": ids, "meta_info": {"output_token_logprobs": [(-0.25, t, None) for t in ids],
                 "cached_tokens": host, "cached_tokens_details": {"device": 0, "host": host}}}
@@ -593,6 +816,93 @@ class Engine:
         pass
 """,
     "sglang/srt/__init__.py": "",
+    "sglang/srt/plugins/__init__.py": """
+from importlib.metadata import entry_points
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+def load_plugins():
+    # SGLang runs every plugin of the group; the stand-in runs the harness (this package's own entry point would
+    # patch the real SGLang, which the stand-in is not: the Engine does what it does instead).
+    for ep in entry_points(group="sglang.srt.plugins"):
+        if ep.name == "server_harness":
+            ep.load()()
+    HookRegistry.apply_hooks()
+""",
+    "sglang/srt/plugins/hook_registry.py": """
+import enum, functools, pkgutil, sys, types
+from collections import defaultdict
+
+class HookType(enum.Enum):
+    BEFORE = "before"
+    AFTER = "after"
+    AROUND = "around"
+    REPLACE = "replace"
+
+class HookRegistry:
+    _hooks = defaultdict(list)
+
+    @classmethod
+    def register(cls, target, hook, hook_type=HookType.AFTER):
+        cls._hooks[target].append((hook_type, hook))
+
+    @classmethod
+    def apply_hooks(cls):
+        for target, hooks in list(cls._hooks.items()):
+            obj_path, name = target.rsplit(".", 1)
+            try:
+                obj = pkgutil.resolve_name(obj_path)
+            except (ImportError, AttributeError):
+                continue  # SGLang logs the exception and goes on
+            original = wrapped = getattr(obj, name)
+            for hook_type, hook in sorted(hooks, key=lambda h: h[0] is not HookType.REPLACE):
+                wrapped = _wrap(wrapped, hook, hook_type)
+            setattr(obj, name, wrapped)
+            for module in list(sys.modules.values()):
+                if isinstance(module, types.ModuleType) and module is not obj:
+                    for attr, value in list(vars(module).items()):
+                        if value is original:
+                            setattr(module, attr, wrapped)
+        cls._hooks.clear()
+
+def _wrap(original, hook, hook_type):
+    if hook_type is HookType.REPLACE:
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            return hook(*args, **kwargs)
+    elif hook_type is HookType.AROUND:
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            return hook(original, *args, **kwargs)
+    else:
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            result = original(*args, **kwargs)
+            changed = hook(result, *args, **kwargs)
+            return result if changed is None else changed
+    return wrapper
+""",
+    "sglang/srt/mem_cache/__init__.py": "",
+    "sglang/srt/mem_cache/pool_host/__init__.py": "",
+    "sglang/srt/mem_cache/pool_host/mla.py": """
+import torch
+from sgl_kernel.kvcacheio import transfer_kv_per_layer_mla
+
+class MLATokenToKVPoolHost:
+    def __init__(self, layout):
+        self.layout = layout
+        generator = torch.Generator().manual_seed(7)
+        self.kv_buffer = [torch.randn(65536, 1, 64, generator=generator).to(torch.bfloat16) for _ in range(4)]
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend):
+        transfer_kv_per_layer_mla(self.kv_buffer[layer_id], device_pool.kv_buffer[layer_id], host_indices,
+                                  device_indices, 128)
+""",
+    "sgl_kernel/__init__.py": "",
+    "sgl_kernel/kvcacheio.py": """
+def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, block_quota=None,
+                              num_warps_per_block=32):
+    dst[dst_indices] = src[src_indices]  # what sgl-kernel's op does, on the CPU
+""",
     "sglang/srt/server_args.py": """
 from dataclasses import dataclass, make_dataclass
 NAMES = ["model_path", "tokenizer_path", "load_format", "dtype", "enable_hierarchical_cache", "hicache_io_backend",
@@ -604,34 +914,68 @@ ServerArgs = make_dataclass("ServerArgs", [(n, object, None) for n in NAMES])
 }
 
 
-def test_main_runs_smoke_end_to_end_with_a_stand_in_engine(tmp_path):
+def _run_smoke_with_the_stand_in(tmp_path, **env_extra):
     pytest.importorskip("tokenizers", reason='needs tokenizers: pip install -e ".[test,sglang]"')
     import os
-    import subprocess
-    import tarfile
 
     fake = tmp_path / "fake"
     for name, text in _FAKE_SGLANG.items():
         (fake / name).parent.mkdir(parents=True, exist_ok=True)
         (fake / name).write_text(text)
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]))
+    # SGLANG_HICACHE_JIT_DISABLE: the package's op takes its copy-engine path, which serves CPU tensors
+    # (on a GPU machine the probe would pick the kernel, which wants GPU memory).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               SGLANG_HICACHE_JIT_DISABLE="1", **env_extra)
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "sglang_server" / "main.py"), "smoke", "--release",
                            "0.0.0", "--out", str(out), "--work", str(tmp_path / "work"), "--gpus", "1",
                            "--budget-s", "400"], capture_output=True, text=True, env=env, timeout=300)
+    summary_file = out / "smoke-summary.json"
+    assert summary_file.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(summary_file.read_text()), out
+
+
+@pytest.mark.slow  # four stand-in engines, each importing torch and the package's ops: about 19 s on 2 cores
+def test_main_runs_smoke_end_to_end_with_a_stand_in_engine(tmp_path):
+    import tarfile
+
+    proc, result, out = _run_smoke_with_the_stand_in(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((out / "smoke-summary.json").read_text())
     assert result["passed"] and [o["status"] for o in result["outcomes"]] == ["done"] * 4
     assert [(r["length"], r["host_rounds_plugin"]) for r in result["ttft"]] == [(2048, 2), (2048, 2), (8192, 2),
                                                                                (8192, 2)]
     checks = result["configurations"][0]["checks"]
-    assert checks["control_differs"] == {"0.0.0-mla-tiny-kernel-page_first-control": 8}  # every reload differed
+    # every host-hit request of the control differed (8 reloads, and nothing else hit the host)
+    assert checks["control_differs"] == {"0.0.0-mla-tiny-kernel-page_first-control": {
+        "host_hit_requests": 8, "differ": 8, "same_hits_as_reference": True}}
     assert set(checks["host_hits"].values()) == {8 * 1024}
+    # the plugin engine's trace: the package's op moved every host-hit token; upstream's moved none of them
+    plugin = checks["package_ops"]["0.0.0-mla-tiny-kernel-page_first-plugin"]
+    assert plugin["ops"] == {"transfer_kv_per_layer_mla": 8 * 1024} and plugin["short"] == 0 and plugin["loads"] == 32
+    assert checks["package_ops"]["0.0.0-mla-tiny-kernel-page_first-upstream"]["any"] == 0
     assert sorted(p.name for p in out.iterdir()) == ["smoke-cells.tar.gz", "smoke-summary.json", "smoke-summary.md"]
     with tarfile.open(out / "smoke-cells.tar.gz") as tar:
         names = tar.getnames()
     assert "smoke-cells/0.0.0-mla-tiny-kernel-page_first-plugin.json" in names
-    assert "sglang-hicache-jit: sglang" in (out / "smoke-summary.md").read_text()
+    assert "smoke-cells/0.0.0-mla-tiny-kernel-page_first-plugin.trace.jsonl" in names
+    text = (out / "smoke-summary.md").read_text()
+    assert "sglang-hicache-jit: sglang" in text and "plugin: transfer_kv_per_layer_mla 8192" in text
+
+
+@pytest.mark.slow  # two more runs of the stand-in smoke (14-19 s each on 2 cores)
+@pytest.mark.parametrize("broken, why", [
+    ("unrouted", "the trace of 0.0.0-mla-tiny-kernel-page_first-plugin does not show the package's ops"),
+    ("raises", "engines that did not finish: 0.0.0-mla-tiny-kernel-page_first-plugin"),
+])
+def test_a_broken_plugin_engine_fails_the_judge(tmp_path, broken, why):
+    """Issue 35: a plugin engine that raised passed; one whose rows never went through the package (its log
+    claiming the plugin, its outputs equal to upstream's) passed too."""
+    proc, result, out = _run_smoke_with_the_stand_in(tmp_path, STANDIN_BROKEN=broken)
+    assert proc.returncode == 1 and not result["passed"]
+    verdict = result["configurations"][0]["verdict"]
+    assert verdict.startswith("fail") and why in verdict, verdict
+    if broken == "unrouted":  # the outputs alone could not tell
+        assert all(result["configurations"][0]["checks"]["equal"].values())
 
 
 def test_the_carry_limit_is_what_the_checkout_leaves_of_a_call(tmp_path):

@@ -14,8 +14,10 @@ only on CUDA is found too) and list every module they loaded. Then it writes, un
   reports the release; untar it and put it on PYTHONPATH;
 * ``*.whl``: the target Python's wheels, at the versions installed here, of
   every distribution those imports loaded (and this package's own
-  dependencies) that the target image lacks (``tools/gpu_image_packages.txt``);
-  install them with ``pip install --no-index --no-deps --target``;
+  dependencies) that the target image lacks (``tools/gpu_image_packages.txt``),
+  each checked against the sha256 recorded in ``tools/sglang_server/wheels.json``
+  (``--record-wheels`` records those it lacks, as the index reports them, and
+  stops: review the diff); install them with ``pip install --no-index --no-deps --target``;
 * ``carry.json``: what is in it.
 
     python3 tools/sglang_carry.py 0.5.19 0.5.21 0.5.22 0.5.23 -o .devwhl
@@ -107,6 +109,7 @@ def trimmed_tree(version: str, python: str, cache: Path, relative: list) -> byte
     keep_dirs = {os.path.dirname(r) for r in relative}
     buffer = io.BytesIO()
     with zipfile.ZipFile(wheel) as z, tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        server_carry().check_members(wheel, z.namelist())  # an absolute or '..' name refuses the wheel
         for info in z.infolist():
             name = info.filename
             if info.is_dir() or not (name.split("/")[0].endswith(".dist-info") or os.path.dirname(name) in keep_dirs
@@ -117,6 +120,15 @@ def trimmed_tree(version: str, python: str, cache: Path, relative: list) -> byte
             member.size, member.mode = len(data), 0o644
             tar.addfile(member, io.BytesIO(data))
     return buffer.getvalue()
+
+
+def server_carry():
+    """tools/sglang_server/carry.py: the member-name rule and the recorded sha256 of every wheel."""
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
+    from sglang_server import carry
+
+    return carry
 
 
 def download(spec: str, dest: Path, python: str) -> None:
@@ -149,6 +161,9 @@ def main() -> int:
     parser.add_argument("--python", default="3.12", help="the target machine's Python (default 3.12)")
     parser.add_argument("--have", type=Path, default=ROOT / "tools" / "gpu_image_packages.txt",
                         help="distributions the target already has, one per line")
+    parser.add_argument("--record-wheels", action="store_true",
+                        help="record the sha256 of the wheels this carry takes that tools/sglang_server/wheels.json "
+                             "lacks (as the package index reports them), then stop; review the diff")
     args = parser.parse_args()
     have = {normalize(line.strip()) for line in args.have.read_text().splitlines()
             if line.strip() and not line.startswith("#")}
@@ -165,6 +180,11 @@ def main() -> int:
            if "extra ==" not in r}
     needed = {normalize(n) for n in needed} | own
     carried = sorted(n for n in needed if n not in have and n not in NEVER)
+    carry = server_carry()
+    if args.record_wheels:
+        added = carry.record_specs([f"{name}=={metadata.version(name)}" for name in carried], args.python)
+        print(f"{carry.WHEELS_JSON}: {len(added)} wheels added" + "".join(f"\n  {n}" for n in sorted(added)))
+        return 0
     for old in args.out.glob("*.whl"):
         old.unlink()
     for name in carried:
@@ -173,6 +193,9 @@ def main() -> int:
         except subprocess.CalledProcessError:  # no wheel of that version for the target Python: its newest
             print(f"{name} {metadata.version(name)} has no wheel for Python {args.python}; taking the newest")
             download(name, args.out, args.python)
+    recorded = carry.recorded_wheels(args.releases[0])
+    for wheel in args.out.glob("*.whl"):  # every wheel against its recorded sha256, or the carry stops
+        carry.checked(wheel, recorded)
     size = sum(p.stat().st_size for p in args.out.iterdir())
     (args.out / "carry.json").write_text(json.dumps({"python": args.python, "releases": trees, "wheels": sorted(
         p.name for p in args.out.glob("*.whl"))}, indent=1) + "\n")

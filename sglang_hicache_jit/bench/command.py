@@ -35,9 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--scopes", nargs="+", default=["one", "all"], choices=["one", "all"])
     p.add_argument("--directions", nargs="+", default=["h2d", "d2h"], choices=["h2d", "d2h"])
-    p.add_argument("--page-sizes", nargs="+", type=int, default=[64, 1])
-    p.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 16384, 65536])
-    p.add_argument("--quotas", nargs="+", type=int, default=[1, 2, 4, 8], help="SM budgets (CTAs) to measure")
+    p.add_argument("--page-sizes", nargs="+", type=settings.whole_number_option, default=[64, 1])
+    p.add_argument("--tokens", nargs="+", type=settings.whole_number_option, default=[1024, 4096, 16384, 65536])
+    p.add_argument("--quotas", nargs="+", type=settings.whole_number_option, default=[1, 2, 4, 8], help="SM budgets (CTAs) to measure")
     p.add_argument("--methods", nargs="*", default=[], choices=["plain", "bulk"],
                    help="also measure these copy methods explicitly at each quota")
     p.add_argument("--providers", nargs="*", default=None,
@@ -46,16 +46,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-layout", default="page_first", choices=["page_first", "page_first_direct"],
                    help="host pool layout: page_first (a layer's rows strided), or page_first_direct (a page of a "
                         "layer contiguous: the copy engines move it as one copy; one layer only)")
-    p.add_argument("--host-slots", type=int, default=512 * 1024)
-    p.add_argument("--device-slots", type=int, default=256 * 1024)
-    p.add_argument("--max-baseline-tokens", type=int, default=16384,
+    p.add_argument("--host-slots", type=settings.whole_number_option, default=512 * 1024)
+    p.add_argument("--device-slots", type=settings.whole_number_option, default=256 * 1024)
+    p.add_argument("--max-baseline-tokens", type=settings.whole_number_option, default=16384,
                    help="skip the slow PyTorch baselines above this many tokens")
-    p.add_argument("--max-all-layer-tokens", type=int, default=65536)
+    p.add_argument("--max-all-layer-tokens", type=settings.whole_number_option, default=65536)
     p.add_argument("--mode", default="transfer", choices=["transfer", "interference", "overhead"],
                    help="transfer: GB/s per provider; interference: beside a saturating matmul; "
                         "overhead: host cost per call")
-    p.add_argument("--gemm-size", type=int, default=8192, help="interference: square bf16 matmul size")
-    p.add_argument("--gemm-seconds", type=float, default=0.05, help="interference: matmul time per measurement")
+    p.add_argument("--gemm-size", type=settings.whole_number_option, default=8192, help="interference: square bf16 matmul size")
+    p.add_argument("--gemm-seconds", type=settings.decimal_option, default=0.05, help="interference: matmul time per measurement")
     p.add_argument("--priorities", nargs="+", default=["normal", "high"], choices=["normal", "high"],
                    help="interference: side-stream priorities to measure")
     p.add_argument("--load", default="matmul", choices=["matmul", "decode"],

@@ -8,6 +8,11 @@ one, checks every copied row bit-exactly, and reports GB/s beside the ceiling
 run). Without a GPU it runs the direct path on CPU tensors and says so: the
 bit-exact checks still hold there, but its rates are not meaningful (memory
 copies between CPU tensors, not transfers over a link), so they are not shown.
+
+Before it allocates anything it checks that the pools fit in this machine's
+free memory (``check_tokens``), and while it runs it reports each step to a
+``progress`` callback (the CLI prints them to stderr): a first run compiles the
+kernel, and the whole demo takes 5-40 s.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .. import settings
+from ..transfer import host_pool as host_pool_module
 from ..transfer.host_pool import MLADevicePool, MLAHostKVPool
 
 KV_CACHE_DIM = 576  # DeepSeek-V3: kv_lora_rank 512 + qk_rope_head_dim 64
@@ -26,13 +33,15 @@ DTYPE = torch.bfloat16
 LAYERS = 8          # DeepSeek-V3 has 61; eight keep the demo quick and the rates the same
 PAGE_SIZE = 64
 REPS = 5
+ROW_BYTES = KV_CACHE_DIM * 2  # bf16
+MAX_TOKENS = 1 << 40  # a bound for the arithmetic; memory refuses far less (check_tokens)
 
 
 @contextmanager
 def _path_choice_told_by_the_report():
     """The report prints the chosen path and why; the pool's own log line saying the same (a WARNING when
     it falls back to the copy engines) would only alarm a first-time user, so it is dropped meanwhile."""
-    logger = logging.getLogger(MLAHostKVPool.__module__)  # filters act only on their own logger's records
+    logger = host_pool_module.log  # filters act only on their own logger's records (its name is not the module's)
 
     def drop(record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("HiCache host pool:")
@@ -98,16 +107,78 @@ def _ceiling(nbytes: int, on_gpu: bool) -> dict:
     return {"h2d_GBps": nbytes / h2d / 1e9, "d2h_GBps": nbytes / d2h / 1e9}
 
 
-def run_demo(tokens: int = 16384, *, seed: int = 0) -> dict:
-    """Runs the demo and returns its report (see format_report)."""
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0 or tokens % PAGE_SIZE:
-        raise ValueError(f"tokens must be a positive multiple of {PAGE_SIZE}, got {tokens!r}")
+def memory_needed(tokens: int, on_gpu: bool, staging_bytes: int = 0) -> dict:
+    """Bytes the demo allocates at ``tokens``: ``host`` (CPU memory) and ``device`` (GPU memory, 0 without a GPU).
+    One transfer moves ``n = tokens x LAYERS x ROW_BYTES``: the host pool holds 4n, the two device pools 2n
+    each, the ceiling's buffers n on each side, the random rows n/4 while one layer is made, and a staged
+    backup up to ``staging_bytes`` on the GPU."""
+    n = tokens * LAYERS * ROW_BYTES
+    pools, ceiling, making = 4 * n, n, n // 4
+    if on_gpu:
+        return {"host": pools + ceiling + making, "device": 4 * n + ceiling + min(staging_bytes, n)}
+    return {"host": pools + 4 * n + 2 * ceiling + making, "device": 0}
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None (the check is skipped)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _largest_fitting(per_token: int, available: int) -> int:
+    return max(0, available // max(per_token, 1) // PAGE_SIZE * PAGE_SIZE)
+
+
+def check_tokens(tokens: int, on_gpu: bool | None = None) -> None:
+    """ValueError, naming ``tokens`` and what would fit, unless ``tokens`` is a positive multiple of PAGE_SIZE
+    whose pools fit in this machine's free host (and GPU) memory: the demo used to start allocating and end in
+    torch's allocation traceback. Reads SGLANG_HICACHE_JIT_STAGING (BadSettingError names it when bad)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 < tokens <= MAX_TOKENS or tokens % PAGE_SIZE:
+        raise ValueError(f"tokens must be a positive multiple of {PAGE_SIZE} up to {MAX_TOKENS}, got {tokens!r}")
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    staging = settings.staging_bytes()  # read here, so that a bad one stops the demo before its first step
+    staging = staging if on_gpu else 0
+    need = memory_needed(tokens, on_gpu, staging)
+    per_token = memory_needed(1, on_gpu, 0)
+    host = _available_host_bytes()
+    if host is not None and need["host"] > host:
+        raise ValueError(f"{tokens} tokens need about {need['host'] / 2**30:.1f} GiB of host memory and {host / 2**30:.1f} "
+                         f"GiB is available; at most {_largest_fitting(per_token['host'], host)} tokens fit here")
+    if on_gpu:
+        free, _ = torch.cuda.mem_get_info()
+        if need["device"] > free:
+            fit = _largest_fitting(per_token["device"], max(0, free - staging))
+            raise ValueError(f"{tokens} tokens need about {need['device'] / 2**30:.1f} GiB of GPU memory and "
+                             f"{free / 2**30:.1f} GiB is free; at most {fit} tokens fit here")
+
+
+def run_demo(tokens: int = 16384, *, seed: int = 0, progress=None) -> dict:
+    """Runs the demo and returns its report (see format_report). ``progress(line)``, when given, hears what
+    each step is about to do."""
     on_gpu = torch.cuda.is_available()
+    check_tokens(tokens, on_gpu)
+    started = time.perf_counter()
+
+    def step(text: str) -> None:
+        if progress is not None:
+            progress(f"[{time.perf_counter() - started:5.1f} s] {text}")
+
     device = "cuda" if on_gpu else "cpu"
     gen = torch.Generator().manual_seed(seed)
     host_slots, device_slots = 4 * tokens, 2 * tokens
+    step(f"filling {LAYERS} layers of {device_slots} device slots with random rows "
+         f"({LAYERS * device_slots * ROW_BYTES / 1e6:.0f} MB on the {'GPU' if on_gpu else 'CPU'})")
     source = MLADevicePool([_random_layer(device_slots, device, gen) for _ in range(LAYERS)])
     target = MLADevicePool([torch.zeros_like(t) for t in source.kv_buffer])
+    step(f"building a page_first host pool of {host_slots} slots "
+         f"({host_slots * LAYERS * ROW_BYTES / 1e6:.0f} MB{' pinned' if on_gpu else ''}); the probe picks its path"
+         + (" (a first run compiles the kernel: up to a minute)" if on_gpu else ""))
     with _path_choice_told_by_the_report():
         pool = MLAHostKVPool(source, size=host_slots, page_size=PAGE_SIZE, layout="page_first")
     host_idx, dev_idx = _indices(pool, tokens, device_slots, gen)
@@ -119,6 +190,7 @@ def run_demo(tokens: int = 16384, *, seed: int = 0) -> dict:
     results = []
     for path in paths:
         pool.kv_buffer[host_idx] = 0
+        step(f"{path} path: backing up {tokens} tokens x {LAYERS} layers ({REPS + 1} runs), then checking every row")
         backup = _timed(lambda: pool.backup_from_device_all_layer(source, host_idx, dev_idx, path), on_gpu)
         backup_ok = all(_same_bits(pool.kv_buffer[host_idx, l], source.kv_buffer[l][dev_idx].cpu())
                         for l in range(LAYERS))
@@ -130,6 +202,7 @@ def run_demo(tokens: int = 16384, *, seed: int = 0) -> dict:
             for layer in range(LAYERS):
                 pool.load_to_device_per_layer(target, host_idx, load_idx, layer, path)
 
+        step(f"{path} path: loading them back layer by layer ({REPS + 1} runs), then checking every row")
         load = _timed(load_all_layers, on_gpu)
         load_ok = all(_same_bits(target.kv_buffer[l][load_idx].cpu(), pool.kv_buffer[host_idx, l])
                       for l in range(LAYERS))
@@ -138,7 +211,9 @@ def run_demo(tokens: int = 16384, *, seed: int = 0) -> dict:
                         "GBps": nbytes / backup / 1e9, "bit_exact": backup_ok})
         results.append({"path": path, "op": "load", "how": load_mode, "seconds": load,
                         "GBps": nbytes / load / 1e9, "bit_exact": load_ok})
+    step(f"measuring the ceiling: one contiguous copy of the same {nbytes / 1e6:.0f} MB each way")
     ceiling = _ceiling(nbytes, on_gpu)
+    step("done")
     for r in results:
         r["ratio"] = r["GBps"] / ceiling["d2h_GBps" if r["op"] == "backup" else "h2d_GBps"]
     if on_gpu:

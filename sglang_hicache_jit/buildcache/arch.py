@@ -29,9 +29,30 @@ NAMED_ARCHS = {
 # stay under the 255-byte file name limit; no real fleet needs more.
 MAX_ARCHS = 16
 
-_ARCH_PATTERN = r"^(?:sm_?|compute_?)?(\d+)(?:\.(\d))?([af]?)(\+ptx)?$"
+# ASCII digits only ([0-9], not \d): '9.\u0660' (an Arabic-Indic zero) must not read as 9.0.
+_ARCH_PATTERN = r"^(?:sm_?|compute_?)?([0-9]+)(?:\.([0-9]))?([af]?)(\+ptx)?$"
 _ARCH_RE = None  # compiled at the first arch that is not plain 'M.m' (compiling costs 0.2 ms of a warm load)
 MAX_MAJOR = 99  # compute capability majors are one or two digits (12.0 is sm_120)
+# Every compute capability of a shipped or announced NVIDIA GPU, from Kepler on (nvcc 13.0 targets 7.5 to
+# 12.1; older toolkits down to 3.0). Anything else is a typo ('sm_999' read as 99.9 and was accepted): the
+# nvcc of the first build would refuse it only minutes later, and `info` said it would load it. 10.1 is
+# CUDA 12.8's name for what CUDA 13 calls 11.0; 10.7 is what torch's arch name 'Rubin' stands for.
+KNOWN_CAPABILITIES = frozenset({
+    (3, 0), (3, 2), (3, 5), (3, 7), (5, 0), (5, 2), (5, 3), (6, 0), (6, 1), (6, 2), (7, 0), (7, 2), (7, 5),
+    (8, 0), (8, 6), (8, 7), (8, 8), (8, 9), (9, 0), (10, 0), (10, 1), (10, 3), (10, 7), (11, 0), (12, 0), (12, 1),
+})
+# Arch-specific ('a') code exists from Hopper on, family-specific ('f') from Blackwell on (CUDA 12.9).
+_SUFFIX_FROM = {"a": 9, "f": 10}
+
+
+def _check_known(shown: str, major: int, minor: int, suffix: str) -> None:
+    if (major, minor) not in KNOWN_CAPABILITIES:
+        known = ", ".join(f"{a}.{b}" for a, b in sorted(KNOWN_CAPABILITIES))
+        raise ValueError(f"arch {shown} reads as compute capability {major}.{minor}, which no NVIDIA GPU has; "
+                         f"known: {known}")
+    if suffix and major < _SUFFIX_FROM[suffix]:
+        raise ValueError(f"arch {shown}: the '{suffix}' variant exists only from compute capability "
+                         f"{_SUFFIX_FROM[suffix]}.0 on")
 
 
 # Records on the warm path are record() tuples (immutable, hashable, ordered by their fields): defining
@@ -76,7 +97,10 @@ def parse_arch(text: str) -> Arch:
     global _ARCH_RE
     text = text.strip()
     if len(text) == 3 and text[1] == "." and text[0] in "123456789" and text[2] in "0123456789":
-        return Arch(int(text[0]), int(text[2]))  # '9.0', the common form, without the regex
+        major, minor = int(text[0]), int(text[2])  # '9.0', the common form, without the regex
+        if (major, minor) in KNOWN_CAPABILITIES:
+            return Arch(major, minor)
+        _check_known(settings.shown(text), major, minor, "")
     if _ARCH_RE is None:
         _ARCH_RE = re.compile(_ARCH_PATTERN, re.IGNORECASE)
     match = _ARCH_RE.match(text)
@@ -96,6 +120,7 @@ def parse_arch(text: str) -> Arch:
     major = settings.whole_number(digits, 0, MAX_MAJOR)
     if major is None:
         raise ValueError(f"arch {shown} is not a compute capability: the major version must be at most {MAX_MAJOR}")
+    _check_known(shown, major, int(minor), suffix.lower())
     return Arch(major, int(minor), suffix.lower(), bool(ptx))
 
 
@@ -130,6 +155,20 @@ def current_gpu_capability(device: int | None = None) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
+def named_archs() -> tuple[tuple[Arch, ...], str] | None:
+    """The archs the environment names, with the variable that names them (SGLANG_HICACHE_JIT_ARCH, else
+    TORCH_CUDA_ARCH_LIST); None where neither is set, or the list says 'native' (the current GPU).
+    BadSettingError for a list that names no arch."""
+    named = settings.arch_request()
+    if named is None or (named[1] == settings.TORCH_ARCH_LIST and named[0].lower() == "native"):
+        return None
+    value, variable = named
+    try:
+        return parse_arch_list(value), variable
+    except ValueError as exc:
+        raise BadSettingError(f"{variable}={settings.shown(value)}: {exc}.", f"correct or unset {variable}.") from None
+
+
 def resolve_archs(arch: str | tuple[Arch, ...] | None = None, device: int | None = None
                   ) -> tuple[tuple[Arch, ...], str]:
     """The archs to build for and where they came from (for messages). Without
@@ -138,13 +177,9 @@ def resolve_archs(arch: str | tuple[Arch, ...] | None = None, device: int | None
         return arch, "argument"
     if arch is not None and str(arch).strip():
         return parse_arch_list(str(arch)), "argument"
-    named = settings.arch_request()
-    if named is not None and not (named[1] == settings.TORCH_ARCH_LIST and named[0].lower() == "native"):
-        value, variable = named
-        try:
-            return parse_arch_list(value), variable
-        except ValueError as exc:
-            raise BadSettingError(f"{variable}={settings.shown(value)}: {exc}.", f"correct or unset {variable}.") from None
+    named = named_archs()
+    if named is not None:
+        return named
     capability = current_gpu_capability(device)
     if capability is None:
         raise NoArchError(

@@ -4,17 +4,30 @@ Written into one folder (``python3 tools/sglang_carry.py --server 0.5.17 -o /tmp
 
 * ``sglang-<X>.tar.gz``: the release's wheel (checked against the recorded sha256) without what a server
   never imports: ``multimodal_gen/``, ``benchmark/`` and the Rust extensions of the Rust HTTP/gRPC
-  servers and the multimodal preprocessor (``_core*.so`` up to 0.5.17, ``rust_extensions/_server``,
-  ``_grpc`` and ``_multimodal`` from 0.5.19; the Rust radix tree core stays);
+  servers, the multimodal preprocessor and the benchmark client (``_core*.so`` up to 0.5.17,
+  ``rust_extensions/_server``, ``_grpc`` and ``_multimodal`` from 0.5.19, ``_bench`` in 0.5.23, 8.3 MB, which
+  only ``sglang/benchmark`` imports; the Rust radix tree core stays);
 * ``sgl_kernel-<K>.tar.gz``: sglang-kernel's Python files, its sm90 library (``sm90/common_ops``),
   ``spatial_ops``, ``triton_kernels`` and its dist-info, without FA3, FlashMLA, InfLLM and the sm100
   library (about 1.1 GB the server path never loads with ``--attention-backend triton``);
 * ``*.whl``: the wheels for the target Python (3.12) that the GPU image lacks (``SERVER_WHEELS`` below,
   found by importing the server's modules against a bare torch, see ``server_imports.py``), plus the
   release's own pins of flashinfer, transformers and tokenizers;
-* ``carry.json``: what is in it, and whether the route is **official** (the release with its own
-  pinned sglang-kernel) or **unofficial** (cross-pinned: a release whose pinned sglang-kernel does not
-  load on the image's torch, run on sglang-kernel 0.4.5 with ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1``).
+* ``carry.json``: what is in it (with the sha256 of every file, which ``install.py`` checks on the GPU
+  machine), the environment the engines need (``env``), and whether the route is **official** (the
+  release with its own pinned sglang-kernel) or **unofficial** (cross-pinned: a release whose pinned
+  sglang-kernel does not load on the image's torch, run on sglang-kernel 0.4.5 with
+  ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1``). A release that ships SGLang's Rust radix tree core built
+  for another torch than the image's (0.5.23's, for torch 2.14, segfaults the scheduler on 2.11 in
+  ``caffe2::TypeMeta::error_unsupported_typemeta``, plugin or not) gets
+  ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``: SGLang's Python tree core.
+
+Every wheel taken (sglang's, sglang-kernel's and each small one) is checked against a recorded sha256
+before anything is read from it: sglang's in the release records (``tests/sglang_data``), the others in
+``wheels.json`` beside this file. A wheel whose name is not recorded is refused, as is one whose sha256
+differs; ``--record-wheels`` adds the names a carry for a release would take, with the sha256 the package
+index reports for them (``pip install --dry-run --report``; review the diff). A member with an absolute
+name or a ``..`` component refuses its whole wheel.
 
 A device call carries 64 MiB with the repository (about 5 MB), so ``build`` refuses a carry over what
 the checkout leaves, less 1 MiB (``default_limit``): 0.5.17 makes 53.9 MiB, 0.5.19 with its own
@@ -41,6 +54,9 @@ LIMIT = 58 * 2**20  # outside a git checkout: the call less a repository of up t
 MARGIN = 2**20  # room for the files a session adds before its next call
 KERNEL = "0.4.5"  # the sglang-kernel whose libraries load on the image's torch 2.11
 PYTHON = "3.12"
+IMAGE_TORCH = "2.11.0"
+WHEELS_JSON = Path(__file__).resolve().parent / "wheels.json"  # the recorded sha256 of every other wheel
+_RUST_TREE_CORE = re.compile(r"^sglang/srt/mem_cache/rust_tree_core/[^/]*\.so$")
 
 # Distributions the server path imports that the image lacks, at the versions the import check here ran
 # with (server_imports.py). The release's own pins (flashinfer-python, transformers, tokenizers,
@@ -65,7 +81,7 @@ IMAGE_VERSIONS = {"tokenizers": "0.23.2", "transformers": "5.17.0", "safetensors
 IMAGE_STACK = {"torch", "triton", "torchvision", "torchaudio", "sglang-kernel", "sglang", "sglang-hicache-jit"}
 
 _TRIM_SGLANG = re.compile(r"^sglang/(multimodal_gen|benchmark)/|/_core\.cpython-[^/]*\.so$"
-                          r"|^sglang/srt/rust_extensions/_(server|grpc|multimodal)\.cpython-[^/]*\.so$")
+                          r"|^sglang/srt/rust_extensions/_(server|grpc|multimodal|bench)\.cpython-[^/]*\.so$")
 # A CPython extension built for another interpreter cannot be imported by the target's (SGLang's wheels
 # are tagged cp311 and hold cpython-311 Rust extensions, 11.7 MB in 0.5.23; the image runs 3.12): its
 # importer falls back or the module is not on the server path, and the carry need not hold it.
@@ -146,10 +162,29 @@ def wheel_plan(pins: dict, image: set, flashinfer: str | None = None) -> dict:
             and not (v is not None and IMAGE_VERSIONS.get(n) == v)}
 
 
+def unsafe_member(name: str) -> str | None:
+    """Why a member name of a wheel or a tar may not be written under the site (None if it may): an absolute
+    name, a '..' component, a backslash or a NUL would write outside it, or somewhere else on another tool."""
+    if not name or name.startswith("/") or "\\" in name or "\0" in name:
+        return "an absolute or unusual name"
+    if ".." in name.split("/"):
+        return "a '..' component"
+    return None
+
+
+def check_members(source: Path, names) -> None:
+    """Refuses the whole archive ``source`` for one unsafe member name."""
+    for name in names:
+        why = unsafe_member(name)
+        if why is not None:
+            raise SystemExit(f"{source}: member {name!r} has {why}; refusing the whole archive")
+
+
 def trim_zip(source: Path, keep) -> bytes:
     """A tar.gz of the members of a wheel (zip) for which ``keep(name)`` is true."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(source) as z, tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=9) as tar:
+        check_members(source, z.namelist())
         for info in z.infolist():
             if info.is_dir() or not keep(info.filename):
                 continue
@@ -188,6 +223,7 @@ def trim_wheel(source: Path, drop: re.Pattern | None = None) -> bytes:
     its RECORD rewritten to match."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(source) as z, zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as out:
+        check_members(source, z.namelist())
         record_name = next(n for n in z.namelist() if n.endswith(".dist-info/RECORD"))
         lines = []
         for info in z.infolist():
@@ -231,22 +267,57 @@ def _release_kit():
     return release_kit
 
 
+def recorded_wheels(release: str) -> dict:
+    """{wheel file name: sha256} of every wheel a carry may take: the release's sglang wheels from its record
+    (``tests/sglang_data``, absent for an unrecorded release) and every other wheel from ``wheels.json``."""
+    try:
+        recorded = dict(_release_kit().record(release)["wheels"])
+    except FileNotFoundError:
+        recorded = {}
+    if WHEELS_JSON.exists():
+        recorded.update(json.loads(WHEELS_JSON.read_text()))
+    return recorded
+
+
+def checked(wheel: Path, recorded: dict) -> Path:
+    """``wheel`` when its sha256 is the one recorded for its name; SystemExit otherwise (an unrecorded name
+    too: a wheel of another platform tag than the recorded one is not taken unchecked)."""
+    digest = recorded.get(wheel.name)
+    if digest is None:
+        raise SystemExit(f"{wheel.name}: no sha256 recorded for this wheel (tests/sglang_data for sglang, "
+                         f"{WHEELS_JSON.name} for the others); record it with --record-wheels and review the diff")
+    if _release_kit().sha256(wheel) != digest:
+        raise SystemExit(f"{wheel}: sha256 differs from the recorded {digest}; refusing it")
+    return wheel
+
+
+def tree_core_env(wheel: Path, pins: dict) -> dict:
+    """SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python where the release ships a Rust tree core built for a torch
+    other than the image's (it aborts the scheduler there, plugin on or off); {} otherwise."""
+    with zipfile.ZipFile(wheel) as z:
+        rust = any(_RUST_TREE_CORE.match(name) for name in z.namelist())
+    if rust and pins.get("torch") not in (None, IMAGE_TORCH):
+        return {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
+    return {}
+
+
 def build(release: str, out: Path, cache: Path, *, image: set, recorded_wheels: dict, flashinfer: str | None = None,
           limit: int = LIMIT) -> dict:
     """Writes the carry for ``release`` into ``out``; returns what carry.json says."""
     out.mkdir(parents=True, exist_ok=True)
     for old in list(out.glob("*.whl")) + list(out.glob("*.tar.gz")):
         old.unlink()
-    wheel = download(f"sglang=={release}", cache)
-    digest = recorded_wheels.get(wheel.name)
-    if digest is not None and _release_kit().sha256(wheel) != digest:
-        raise SystemExit(f"{wheel}: sha256 differs from the recorded one")
+    wheel = checked(download(f"sglang=={release}", cache), recorded_wheels)
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         pins = release_pins(z.read(meta).decode())
     facts = route(release, pins.get("sglang-kernel"))
+    tree_core = tree_core_env(wheel, pins)
+    if tree_core:
+        facts["env"].update(tree_core)
+        facts["label"] += f"; SGLang's Python radix tree core (its Rust one is built for torch {pins['torch']})"
     (out / f"sglang-{release}.tar.gz").write_bytes(trim_zip(wheel, _keep_in_sglang))
-    kernel = download(f"sglang-kernel=={KERNEL}", cache)
+    kernel = checked(download(f"sglang-kernel=={KERNEL}", cache), recorded_wheels)
     (out / f"sgl_kernel-{KERNEL}.tar.gz").write_bytes(trim_zip(kernel, lambda n: bool(_KEEP_KERNEL.match(n))))
     wheels = wheel_plan(pins, image, flashinfer)
     if flashinfer and flashinfer != pins.get("flashinfer-python"):  # another cross-pin: say so
@@ -254,17 +325,60 @@ def build(release: str, out: Path, cache: Path, *, image: set, recorded_wheels: 
         facts["label"] = (("unofficial: " + facts["label"].split(": ", 1)[1]) if not facts["label"].startswith(
             "unofficial") else facts["label"]) + f"; flashinfer {flashinfer} (pins {pins.get('flashinfer-python')})"
     for name, version in wheels.items():
-        path = download(f"{name}=={version}" if version else name, cache)
+        path = checked(download(f"{name}=={version}" if version else name, cache), recorded_wheels)
         (out / path.name).write_bytes(trim_wheel(path, _TRIM_WHEEL.get(name)))
-    size = sum(p.stat().st_size for p in out.iterdir() if p.name != "carry.json")
+    files = sorted(p for p in out.iterdir() if p.name != "carry.json")
+    size = sum(p.stat().st_size for p in files)
     facts.update(python=PYTHON, sglang_wheel=wheel.name, flashinfer=wheels.get("flashinfer-python"),
-                 transformers=wheels.get("transformers"), files=sorted(p.name for p in out.iterdir()
-                                                                        if p.name != "carry.json"), bytes=size)
+                 transformers=wheels.get("transformers"), files=[p.name for p in files], bytes=size,
+                 sha256={p.name: _release_kit().sha256(p) for p in files})
     (out / "carry.json").write_text(json.dumps(facts, indent=1) + "\n")
     if size > limit:
         raise SystemExit(f"{out}: {size / 2**20:.1f} MiB, over the {limit / 2**20:.0f} MiB a call carries beside "
                          "the repository")
     return facts
+
+
+def _index_report(specs: list, python: str = PYTHON) -> list:
+    """pip's report of the wheels ``specs`` resolve to for the target (no download of the wheels themselves:
+    the index serves their metadata): [(file name, sha256, requires_dist)]."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--no-deps", "--ignore-installed",
+                        "--only-binary=:all:", "--python-version", python, "--implementation", "cp",
+                        "--platform=manylinux2014_x86_64", *[f"--platform=manylinux_2_{n}_x86_64" for n in range(17, 40)],
+                        "--platform=any", "--target", str(Path(tmp) / "t"), "--report", str(report), *specs], check=True)
+        items = json.loads(report.read_text())["install"]
+    return [(item["download_info"]["url"].rsplit("/", 1)[1], item["download_info"]["archive_info"]["hashes"]["sha256"],
+             item.get("metadata", {}).get("requires_dist") or []) for item in items]
+
+
+def record_wheels(release: str, image: set, flashinfer: str | None = None) -> dict:
+    """Adds to wheels.json the sha256 of every wheel the carry for ``release`` takes that it lacks (sglang's own
+    come from the release record); an entry already there is never changed: a different sha256 for a recorded
+    name is refused. Returns what was added."""
+    (_, _, requires), = _index_report([f"sglang=={release}"])
+    pins = release_pins("\n".join(f"Requires-Dist: {r}" for r in requires))
+    return record_specs([f"sglang-kernel=={KERNEL}"] +
+                        [f"{n}=={v}" if v else n for n, v in wheel_plan(pins, image, flashinfer).items()])
+
+
+def record_specs(specs: list, python: str = PYTHON) -> dict:
+    """Adds the sha256 the index reports for the wheels ``specs`` resolve to (for ``python``) to wheels.json,
+    never changing a recorded one; returns what was added."""
+    recorded = json.loads(WHEELS_JSON.read_text()) if WHEELS_JSON.exists() else {}
+    added = {}
+    for name, digest, _ in _index_report(specs, python):
+        if name in recorded and recorded[name] != digest:
+            raise SystemExit(f"{name}: the index now reports sha256 {digest}, {WHEELS_JSON.name} records "
+                             f"{recorded[name]}; refusing to change a recorded wheel")
+        if name not in recorded:
+            added[name] = digest
+    if added:
+        WHEELS_JSON.write_text(json.dumps(dict(sorted({**recorded, **added}.items())), indent=1) + "\n")
+    return added
 
 
 def main(argv=None) -> int:
@@ -276,19 +390,22 @@ def main(argv=None) -> int:
     parser.add_argument("--flashinfer", help="carry this flashinfer-python instead of the release's pin")
     parser.add_argument("--have", type=Path, default=ROOT / "tools" / "gpu_image_packages.txt",
                         help="distributions the target image already has, one per line")
+    parser.add_argument("--record-wheels", action="store_true",
+                        help=f"record the sha256 of the wheels this carry takes that {WHEELS_JSON.name} lacks (as the "
+                             "package index reports them), then stop; review the diff")
     parser.add_argument("--limit-mib", type=float, default=None,
                         help="most MiB the carry may hold (default: 64 MiB less this checkout's files and 1 MiB)")
     args = parser.parse_args(argv)
     release_kit = _release_kit()
     image = {normalize(line.strip()) for line in args.have.read_text().splitlines()
              if line.strip() and not line.startswith("#")}
-    try:
-        recorded = release_kit.record(args.release)["wheels"]
-    except FileNotFoundError:
-        recorded = {}
-        print(f"sglang {args.release} is not recorded (tests/sglang_data): its wheel's sha256 is not checked")
+    if args.record_wheels:
+        added = record_wheels(args.release, image, args.flashinfer)
+        print(f"{WHEELS_JSON}: {len(added)} wheels added" + "".join(f"\n  {n}  {d}" for n, d in sorted(added.items())))
+        return 0
     out = args.out or Path(f"/tmp/srvcarry-{args.release}")
-    facts = build(args.release, out, release_kit.cache_root() / "wheels", image=image, recorded_wheels=recorded,
+    facts = build(args.release, out, release_kit.cache_root() / "wheels", image=image,
+                  recorded_wheels=recorded_wheels(args.release),
                   flashinfer=args.flashinfer,
                   limit=default_limit() if args.limit_mib is None else int(args.limit_mib * 2**20))
     print(f"{out}: {facts['bytes'] / 2**20:.1f} MiB; {facts['label']}")

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     outcomes = runner.run(jobs, parallel=parallel, deadline=deadline, log_dir=cells_dir, hold_after=4,
                           hold_s=100.0, gpus=args.gpus, on_done=done)
     records = summary.load(cells_dir)
-    result = summary.judge(records)
+    result = summary.judge(records, cells, {o.name: o.status for o in outcomes})
     result["outcomes"] = [vars(o) for o in outcomes]
     ttft = summary.ttft_table(records, models.kv_row_bytes("mla-kv")["token"])
     result["ttft"] = ttft

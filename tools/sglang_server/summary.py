@@ -1,18 +1,27 @@
-"""Reads the cells' JSON and logs and says what a run showed: per configuration, the verdict and why.
+"""Reads the cells' JSON, logs and traces and says what a run showed: per configuration, the verdict and why.
 
-For each (release, model, effective io_backend, effective layout):
+A configuration is (release, model, effective io_backend, effective layout): SGLang's server arguments
+rewrite two requested pairs (``plan.REWRITTEN``), and such a cell is judged with the configuration it
+becomes (from its recorded effective arguments, else from the plan's rewrite table; a recorded rewrite
+that differs from the table is a problem). It passes only when:
 
+* **finished**: every engine it names (every planned cell, and every cell with a result) finished and
+  served its workload; one that raised, timed out, hit the deadline or never started fails it (with the
+  plugin off, upstream refusing a configuration is recorded as such, and fails it too: nothing could be
+  compared there);
 * **equal**: upstream, plugin and plugin-nojit served the same token ids and logprobs for every
-  request (only modes that ran count; fewer than two is "incomplete");
-* **host hits**: every mode counted host hits (tokens loaded back) > 0, and the same per request;
-* **control differs**: the negative control (rows loaded back zeroed) changed at least one output,
-  and the sensitivity pair differed inside every run (else equal outputs prove nothing);
+  request (fewer than two modes that ran is "incomplete");
+* **host hits**: every mode counted host hits (tokens loaded back) > 0, and on the same requests;
+* **control differs**: each negative control (rows loaded back zeroed) differs from the reference on
+  every one of its host-hit requests, counted on those requests alone (whether it hit the host on the
+  same requests as the reference is recorded beside); and the sensitivity pair differed inside every run (else equal outputs
+  prove nothing);
+* **the package moved the rows**: each plugin engine's trace (``harness_plugin.py``) shows, for every
+  load-back, this package's ops moving at least the tokens loaded, and at the first layer at least the
+  host-hit tokens (per op: ``checks["package_ops"]``); an engine with the plugin off shows none;
 * **clean logs**: no ERROR/CRITICAL line and no Traceback in any engine's log (the runs log with the
   level, see ``main.py``), except the lines ``BENIGN`` names;
 * the plugin's start line and per-pool line are in the log of every plugin run.
-
-A cell that raised is listed with its error: with the plugin off, upstream may refuse a configuration,
-which is recorded, not a failure of the package.
 """
 
 from __future__ import annotations
@@ -21,12 +30,28 @@ import json
 import re
 from pathlib import Path
 
+from sglang_server import plan
+
 ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback \(most recent call last\)")
 BENIGN = (
     re.compile(r"Ignore import error when loading sglang\.srt\.models"),  # models whose optional deps are absent
 )
 START_LINE = re.compile(r"sglang-hicache-jit: sglang \S+ \(.*\): routing \d+ HiCache ops")
 POOL_LINE = re.compile(r"sglang-hicache-jit: \w+TokenToKVPoolHost \(layout=\S+, \d+ B rows\)")
+PLUGIN_MODES = ("plugin", "plugin-nojit", "control-plugin")
+
+
+def _trace(path: Path) -> list:
+    events = []
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:  # a line cut by a killed process
+                continue
+            if isinstance(event, dict):
+                events.append(event)
+    return events
 
 
 def load(cells_dir: Path) -> list:
@@ -36,10 +61,11 @@ def load(cells_dir: Path) -> list:
             record = json.loads(path.read_text())
         except ValueError:
             continue
-        if "cell" not in record:
+        if not isinstance(record, dict) or "cell" not in record:
             continue
         log = path.with_suffix(".log")
         record["_log"] = log.read_text(errors="replace") if log.exists() else ""
+        record["_trace"] = _trace(path.with_suffix(".trace.jsonl"))
         records.append(record)
     return records
 
@@ -51,9 +77,14 @@ def error_lines(log: str) -> list:
 def _key(record: dict) -> tuple:
     spec = record["spec"]
     eff = record.get("effective") or {}
-    io_backend = eff.get("hicache_io_backend") or spec["io_backend"]
-    layout = eff.get("hicache_mem_layout") or spec["layout"]
+    planned = plan.effective(spec["io_backend"], spec["layout"])
+    io_backend = eff.get("hicache_io_backend") or planned[0]
+    layout = eff.get("hicache_mem_layout") or planned[1]
     return spec["release"], spec["kind"], io_backend, layout
+
+
+def _cell_key(cell) -> tuple:
+    return (cell.release, cell.model) + plan.effective(cell.io_backend, cell.layout)
 
 
 def _signature(record: dict) -> list:
@@ -65,6 +96,20 @@ def _differences(a: dict, b: dict) -> int:
     return sum(1 for x, y in zip(_signature(a), _signature(b)) if x != y) + abs(len(_signature(a)) - len(_signature(b)))
 
 
+def _host_hit_ids(record: dict) -> list:
+    return [r["id"] for r in record.get("requests", []) if r.get("host_hit", 0) > 0]
+
+
+def _control(reference: dict, control: dict) -> dict:
+    """A negative control's differences from the reference, on its host-hit requests alone."""
+    wanted = {r["id"]: (r["output_ids"], r["logprobs"]) for r in reference.get("requests", [])}
+    hits = _host_hit_ids(control)
+    differ = sum(1 for r in control.get("requests", []) if r["id"] in hits
+                 and (r["output_ids"], r["logprobs"]) != wanted.get(r["id"]))
+    return {"host_hit_requests": len(hits), "differ": differ,
+            "same_hits_as_reference": hits == _host_hit_ids(reference)}
+
+
 def _sensitive(record: dict) -> bool | None:
     pair = {r["id"]: r for r in record.get("requests", []) if r["phase"] == "sensitivity"}
     if len(pair) != 2:
@@ -73,22 +118,64 @@ def _sensitive(record: dict) -> bool | None:
     return (a["output_ids"], a["logprobs"]) != (b["output_ids"], b["logprobs"])
 
 
-def judge(records: list) -> dict:
+def package_ops(record: dict) -> dict:
+    """What the trace says the package's ops moved in this engine's load-backs: per op, the tokens at the first
+    layer; ``moved``/``loaded`` there; ``short``: load calls whose rows the package's ops did not all move."""
+    loads = [e for e in record.get("_trace", []) if e.get("event") == "load" and isinstance(e.get("ops"), dict)]
+    first = min((e.get("layer", 0) for e in loads), default=0)
+    at_first = [e for e in loads if e.get("layer", 0) == first]
+    per_op: dict = {}
+    for event in at_first:
+        for op, tokens in event["ops"].items():
+            per_op[op] = per_op.get(op, 0) + tokens
+    return {"mode": record["spec"]["mode"], "ops": per_op, "moved": sum(per_op.values()),
+            "loaded": sum(e.get("tokens", 0) for e in at_first),
+            "loads": len(loads), "short": sum(1 for e in loads if sum(e["ops"].values()) < e.get("tokens", 0)),
+            "any": sum(sum(e["ops"].values()) for e in loads), "host_hit_tokens": record.get("host_hit_tokens", 0)}
+
+
+def _package_ok(mode: str, ops: dict) -> bool:
+    if mode in PLUGIN_MODES:
+        return ops["loads"] > 0 and ops["short"] == 0 and ops["moved"] >= ops["host_hit_tokens"] > 0
+    return ops["any"] == 0  # the plugin is off: the package must move nothing
+
+
+def judge(records: list, cells=None, outcomes=None) -> dict:
+    """Verdicts per configuration. ``cells`` (plan.Cell) are the engines the run planned, ``outcomes`` the
+    runner's {cell name: status}: a planned cell without a result fails its configuration."""
     groups: dict = {}
     for record in records:
         if record.get("spec", {}).get("workload", "correctness") != "correctness":
             continue
-        groups.setdefault(_key(record), []).append(record)
+        groups.setdefault(_key(record), {"records": [], "planned": set()})["records"].append(record)
+    for cell in cells or ():
+        if cell.workload == "correctness":
+            groups.setdefault(_cell_key(cell), {"records": [], "planned": set()})["planned"].add(cell.name)
+    outcomes = outcomes or {}
     verdicts = []
-    for key, members in sorted(groups.items()):
+    for key, group in sorted(groups.items()):
+        members = group["records"]
         by_mode: dict = {}
         for r in members:
             by_mode.setdefault(r["spec"]["mode"], []).append(r)
-        served = {m: rs for m, rs in by_mode.items() if all(r["ok"] for r in rs)}
+        served = {m: [r for r in rs if r["ok"]] for m, rs in by_mode.items()}
+        served = {m: rs for m, rs in served.items() if rs}
         raised = {r["cell"]: r["error"] for r in members if not r["ok"]}
+        unfinished = dict(raised)
+        with_result = {r["cell"] for r in members}
+        for name in sorted(group["planned"] - with_result):
+            unfinished[name] = f"no result ({outcomes.get(name, 'not run')})"
+        for r in members:
+            status = outcomes.get(r["cell"])
+            if r["ok"] and status not in (None, "done"):
+                unfinished[r["cell"]] = f"served, but the runner says {status}"
         reference = next((served[m][0] for m in ("upstream", "plugin", "plugin-nojit") if m in served), None)
         equal_modes = [m for m in ("upstream", "plugin", "plugin-nojit") if m in served]
-        checks = {"served": sorted(served), "raised": raised}
+        checks = {"served": sorted(served), "raised": raised, "unfinished": unfinished}
+        checks["rewrites"] = {r["cell"]: [r["effective"].get("hicache_io_backend"), r["effective"].get("hicache_mem_layout")]
+                              for r in members if r.get("effective") and
+                              (r["effective"].get("hicache_io_backend"), r["effective"].get("hicache_mem_layout"))
+                              != plan.effective(r["spec"]["io_backend"], r["spec"]["layout"])}
         if reference is not None:
             # every run of the three modes, the requests SGLang rewrote into this pair included
             same = [r for m in equal_modes for r in served[m]]
@@ -97,9 +184,13 @@ def judge(records: list) -> dict:
             checks["hit_pattern_equal"] = len({tuple(x["host_hit"] for x in r["requests"]) for r in same}) == 1
             checks["sensitive"] = {r["cell"]: _sensitive(r) for r in same}
             controls = served.get("control", []) + served.get("control-plugin", [])
-            checks["control_differs"] = {r["cell"]: _differences(reference, r) for r in controls}
+            checks["control_differs"] = {r["cell"]: _control(reference, r) for r in controls}
+        ok_runs = [r for r in members if r["ok"]]
+        checks["package_ops"] = {r["cell"]: package_ops(r) for r in ok_runs}
+        checks["package_ok"] = {r["cell"]: _package_ok(r["spec"]["mode"], checks["package_ops"][r["cell"]])
+                                for r in ok_runs}
         checks["error_lines"] = {r["cell"]: error_lines(r["_log"])[:5] for r in members if error_lines(r["_log"])}
-        plugin_runs = [r for r in members if r["ok"] and r["spec"]["mode"].startswith("plugin")]
+        plugin_runs = [r for r in ok_runs if r["spec"]["mode"].startswith("plugin")]
         checks["start_line"] = {r["cell"]: bool(START_LINE.search(r["_log"])) for r in plugin_runs}
         checks["pool_line"] = {r["cell"]: bool(POOL_LINE.search(r["_log"])) for r in plugin_runs}
         verdicts.append({"release": key[0], "model": key[1], "io_backend": key[2], "layout": key[3],
@@ -108,17 +199,29 @@ def judge(records: list) -> dict:
 
 
 def _verdict(checks: dict, equal_modes: list) -> str:
-    if len(equal_modes) < 2 or "equal" not in checks:
-        return "incomplete"
     problems = []
+    if checks["unfinished"]:
+        problems.append("engines that did not finish: " + ", ".join(sorted(checks["unfinished"])))
+    if checks["rewrites"]:
+        problems.append("SGLang rewrote a pair otherwise than the plan says: " + ", ".join(sorted(checks["rewrites"])))
+    if len(equal_modes) < 2 or "equal" not in checks:
+        return "fail: " + "; ".join(problems) if problems else "incomplete"
     if not all(checks["equal"].values()):
         problems.append("outputs differ between modes")
     if not all(v > 0 for v in checks["host_hits"].values()):
         problems.append("a mode had no host hit")
     if not all(v is True for v in checks["sensitive"].values()):
         problems.append("the sensitivity pair did not differ")
-    if checks["control_differs"] and not all(v > 0 for v in checks["control_differs"].values()):
-        problems.append("a negative control equalled the reference")
+    for cell, control in sorted(checks["control_differs"].items()):
+        if not (control["host_hit_requests"] > 0 and control["differ"] == control["host_hit_requests"]):
+            problems.append(f"a negative control equalled the reference on a host-hit request ({cell}: "
+                            f"{control['differ']} of {control['host_hit_requests']} differ)")
+    for cell, ok in sorted(checks["package_ok"].items()):
+        if not ok:
+            ops = checks["package_ops"][cell]
+            problems.append(f"the trace of {cell} does not show the package's ops moving the host hits (moved "
+                            f"{ops['moved']} of {ops['host_hit_tokens']} host-hit tokens at the first layer, "
+                            f"{ops['short']} of {ops['loads']} loads short, {ops['any']} tokens in all)")
     if checks["error_lines"]:
         problems.append("error lines in a log")
     if not all(checks["start_line"].values()) or not all(checks["pool_line"].values()):
@@ -149,17 +252,20 @@ def ttft_table(records: list, kv_bytes_per_token: int, link_gbps: float = 55.0) 
 def markdown(result: dict, ttft: list | None = None, label: str = "") -> str:
     lines = [f"# SGLang server tests {label}".rstrip(), ""]
     if result["configurations"]:
-        lines += ["| release | model | io_backend | layout | modes served | host-hit tokens | control diffs | verdict |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["| release | model | io_backend | layout | modes served | host-hit tokens | package ops (first "
+                  "layer) | control diffs on host hits | verdict |", "|---|---|---|---|---|---|---|---|---|"]
         for v in result["configurations"]:
             c = v["checks"]
+            ops = "; ".join(f"{o['mode']}: " + (", ".join(f"{op} {n}" for op, n in sorted(o["ops"].items())) or "none")
+                            for _, o in sorted(c.get("package_ops", {}).items()))
+            controls = ", ".join(f"{x['differ']}/{x['host_hit_requests']}" for x in c.get("control_differs", {}).values())
             lines.append(f"| {v['release']} | {v['model']} | {v['io_backend']} | {v['layout']} | "
                          f"{', '.join(c['served'])} | {', '.join(str(x) for x in c.get('host_hits', {}).values())} | "
-                         f"{', '.join(str(x) for x in c.get('control_differs', {}).values())} | {v['verdict']} |")
-        raised = {k: e for v in result["configurations"] for k, e in v["checks"]["raised"].items()}
-        if raised:
-            lines += ["", "Cells that raised (with the plugin off, upstream may refuse a configuration):", ""]
-            lines += [f"* `{k}`: {e[:300]}" for k, e in sorted(raised.items())]
+                         f"{ops} | {controls} | {v['verdict']} |")
+        unfinished = {k: e for v in result["configurations"] for k, e in v["checks"]["unfinished"].items()}
+        if unfinished:
+            lines += ["", "Engines that did not finish (each fails its configuration):", ""]
+            lines += [f"* `{k}`: {e[:300]}" for k, e in sorted(unfinished.items())]
     if ttft:
         lines += ["", "TTFT medians in ms (a prompt of the prefix plus 64 new tokens, one output token); the device hit, "
                   "the host hit and a miss (the whole prompt computed), each mode's engine on its own.", "",

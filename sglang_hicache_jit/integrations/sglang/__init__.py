@@ -22,13 +22,20 @@ here may break SGLang's startup: every failure is logged and leaves SGLang
 as it was. Turn it off with ``SGLANG_HICACHE_JIT_SGLANG_PLUGIN=0``, or leave
 ``hicache_jit`` out of SGLang's ``SGLANG_PLUGINS`` whitelist.
 
-All or nothing: everything that can fail (the switch, torch, the support
-table, the plan, SGLang's hook types) is read and checked before the first
-hook is registered. Should SGLang's registry still refuse a hook, the hooks
-registered before it are taken out of its table again (``HookRegistry`` has
+All or nothing: everything that can fail (the switch, every other setting
+the plugin's paths read later, torch, the support table, the plan, SGLang's
+hook types) is read and checked before the first hook is registered. A bad
+setting (``SGLANG_HICACHE_JIT_STAGING=٣``) is refused here, as a bad switch
+is: the plugin stays off and says why at WARNING, and SGLang runs unchanged.
+Raising would not stop the server: SGLang's ``load_plugins()`` (0.5.11-0.5.23)
+catches an Exception from ``register()``, logs it and serves on, so a raise
+would only add a traceback to a server that starts anyway. Should SGLang's registry still refuse a hook, or a
+KeyboardInterrupt arrive while the hooks are registered, the hooks
+registered so far are taken out of its table again (``HookRegistry`` has
 no unregister; its ``_hooks`` maps a dotted path to a list of entries that
 hold the hook), so SGLang runs unchanged; where that cannot be done the log
-says at ERROR which hooks stay. The log line always tells the true state.
+says at ERROR which hooks stay. ``status`` and the log line always tell the
+true state.
 ``register()`` runs once per process: a second call (SGLang calls each
 entry point it finds, and two installed copies of this package advertise
 it twice) does nothing, whatever the first one did.
@@ -39,8 +46,9 @@ from __future__ import annotations
 import logging
 
 from ... import settings
+from ...errors import BadSettingError
 from . import announce
-from .support import describe, release_row
+from .support import bad_settings, describe, release_row
 
 __all__ = ["register", "describe", "release_row", "status"]
 
@@ -54,7 +62,9 @@ _ran = False  # register() ran in this process (a second call does nothing)
 
 
 def register() -> None:
-    """Entry point for sglang.srt.plugins. Never raises; runs once per process."""
+    """Entry point for sglang.srt.plugins; runs once per process. Never raises an Exception (a bad setting
+    or an install problem leaves the plugin off, logged at WARNING); a KeyboardInterrupt or SystemExit goes
+    on after every hook it registered has been taken back."""
     global _ran
     if _ran:
         log.debug("sglang-hicache-jit: register() already ran in this process; nothing to do")
@@ -66,6 +76,9 @@ def register() -> None:
         status["reason"] = f"{type(exc).__name__}: {exc}"
         log.warning("sglang-hicache-jit: plugin not active (%s); SGLang runs unchanged", status["reason"])
         return
+    except BaseException as exc:  # Ctrl-C, SystemExit: nothing is registered yet, and the process stops
+        status["reason"] = f"interrupted ({type(exc).__name__}) before any hook was registered"
+        raise
     if prepared is not None:
         _register_all(*prepared)
 
@@ -77,6 +90,9 @@ def _prepare():
         status["reason"] = f"{settings.SGLANG_PLUGIN}=0"
         log.info("sglang-hicache-jit: plugin off (%s); SGLang runs unchanged", status["reason"])
         return None
+    problem = bad_settings()
+    if problem is not None:  # refused now, not raised later inside SGLang's backup thread or layer loop
+        raise BadSettingError(problem)
     import torch
 
     if torch.version.cuda is None or getattr(torch.version, "hip", None):
@@ -109,16 +125,32 @@ def _prepare():
 
 
 def _register_all(registry, hooks, decisions, row) -> None:
-    done = []
+    done, current = [], None
     try:
         for decision, kind in hooks:
+            current = decision
             registry.register(decision.path, decision.hook, kind)
             done.append(decision)
-    except Exception as exc:  # SGLang's registry refused one: take back what it took, then say what stays
-        failed = f"registering {decision.target.name} failed ({type(exc).__name__}: {exc})"
-        stuck = _withdraw(registry, done)
-        status["patched"] = [f"{d.target.name} -> {d.path}" for d in stuck]
-        status["reason"] = failed
+            current = None
+        patched = [f"{d.target.name} -> {d.path}" for d in decisions if d.patched]
+        absent = [(d.target.name, d.why) for d in decisions if not d.patched and d.path is None]
+        skipped = [(d.target.name, d.why) for d in decisions if not d.patched and d.path is not None]
+        # One update: an interrupt lands before it (everything is withdrawn below) or after it (all true).
+        status.update(patched=patched, absent=absent, skipped=skipped, registered=True)
+    except BaseException as exc:
+        # SGLang's registry refused one, or Ctrl-C (KeyboardInterrupt is no Exception) came in the middle:
+        # take back what the registry took, the hook being registered included, then say what stays.
+        interrupted = not isinstance(exc, Exception)
+        if interrupted:
+            failed = f"interrupted ({type(exc).__name__}) while registering its hooks"
+        elif current is not None:
+            failed = f"registering {current.target.name} failed ({type(exc).__name__}: {exc})"
+        else:
+            failed = f"recording its hooks failed ({type(exc).__name__}: {exc})"
+        # A registry that raised did not take the hook; one interrupted may have (then it is in the table).
+        stuck = _withdraw(registry, done, current if interrupted else None)
+        status.update(registered=False, patched=[f"{d.target.name} -> {d.path}" for d in stuck], absent=[],
+                      skipped=[], reason=failed)
         if not stuck:
             withdrawn = f"; the {len(done)} hooks registered before it were withdrawn" if done else ""
             log.warning("sglang-hicache-jit: plugin not active (%s%s); SGLang runs unchanged", failed, withdrawn)
@@ -126,28 +158,26 @@ def _register_all(registry, hooks, decisions, row) -> None:
             log.error("sglang-hicache-jit: plugin PARTLY active: %s, and %d hooks registered before it could not "
                       "be withdrawn, so SGLang applies them:%s", failed, len(stuck),
                       "".join(f"\n  {name}" for name in status["patched"]))
+        if interrupted:
+            raise
         return
-    for decision in decisions:
-        if decision.patched:
-            status["patched"].append(f"{decision.target.name} -> {decision.path}")
-        elif decision.path is None:
-            status["absent"].append((decision.target.name, decision.why))
-        else:
-            status["skipped"].append((decision.target.name, decision.why))
-    status["registered"] = True
     _log_summary(decisions, row)
 
 
-def _withdraw(registry, done: list) -> list:
-    """Takes the hooks of ``done`` out of SGLang's registry table; returns those it could not."""
+def _withdraw(registry, done: list, maybe=None) -> list:
+    """Takes the hooks of ``done`` out of SGLang's registry table, and ``maybe``'s (a hook whose register()
+    call was interrupted: in the table or not); returns those it could not."""
     table = getattr(registry, "_hooks", None)
     applied = getattr(registry, "_patched", ())
     stuck = []
-    for decision in reversed(done):
+    pending = [maybe] if maybe is not None and all(maybe is not d for d in done) else []
+    for decision in reversed(done + pending):
         try:
             entries = table.get(decision.path) if isinstance(table, dict) else None
             ours = [i for i, entry in enumerate(entries or ())
                     if isinstance(entry, tuple) and any(part is decision.hook for part in entry)]
+            if decision is maybe and not ours and isinstance(table, dict):
+                continue  # its register() never got to add it
             if not ours or decision.path in applied:  # not where 0.5.11-0.5.23 keep it, or applied already
                 stuck.append(decision)
                 continue

@@ -31,6 +31,7 @@ layer come from:
 from __future__ import annotations
 
 import logging
+import re
 
 from . import announce
 from . import ops as routed
@@ -38,6 +39,26 @@ from ...transfer import direct, ops, route
 from .matching import needs
 
 log = logging.getLogger(__name__)
+
+
+_told: set = set()  # (pool class, hook) pairs already logged by _lacks
+
+
+def _lacks(self, hook) -> bool:
+    """Whether this pool lacks an attribute ``hook`` reads (its declared needs): a subclass that never sets
+    ``layout``, or a pool used before its __init__ set it. The plan checks the release's classes, not each
+    instance; without the attribute the hook cannot tell the cell, so the pool's own method runs, exactly as
+    without the plugin (once per class and hook a WARNING says so), rather than the hook's AttributeError."""
+    missing = [name for name in sorted(hook.needs.attributes) if not hasattr(self, name)]
+    if not missing:
+        return False
+    told = (type(self), hook.__name__)
+    if told not in _told:
+        _told.add(told)
+        method = re.sub(r"^(mla|dsa)_|_05[0-9]+$", "", hook.__name__)  # the hook's family names the method
+        log.warning("sglang-hicache-jit: %s has no %s, so the plugin leaves its %s to SGLang's own code",
+                    type(self).__qualname__, ", ".join(missing), method)
+    return True
 
 
 def _normalized(layout: str, io_backend: str):
@@ -60,11 +81,15 @@ def _run(original, self, args, io_backend, kwargs):
 @needs(kwargs={"is_draft": False}, attributes={"layout"})
 def load_to_device_per_layer(original, self, device_pool, host_indices, device_indices, layer_id, io_backend,
                              **kwargs):
+    if _lacks(self, load_to_device_per_layer):
+        return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
     return _run(original, self, (device_pool, host_indices, device_indices, layer_id), io_backend, kwargs)
 
 
 @needs(attributes={"layout"})
 def backup_from_device_all_layer(original, self, device_pool, host_indices, device_indices, io_backend):
+    if _lacks(self, backup_from_device_all_layer):
+        return original(self, device_pool, host_indices, device_indices, io_backend)
     # A layer-sharded pool backs up layer by layer through _backup_from_device_per_layer,
     # which the hooks below serve for every (normalized) cell.
     return _run(original, self, (device_pool, host_indices, device_indices), io_backend, {})
@@ -113,7 +138,7 @@ _MLA_POOL = ("layout", "can_use_jit", "data_refs", "kv_buffer", "kv_cache_dim", 
                                                "_buffer_index_by_layer"})
 def mla_backup_from_device_per_layer(original, self, host_indices, device_indices, layer_id, io_backend, **kwargs):
     """0.5.23: host and device layers through the pool's own maps (draft layers included)."""
-    if _mla_method_serves(self, io_backend):
+    if _lacks(self, mla_backup_from_device_per_layer) or _mla_method_serves(self, io_backend):
         return original(self, host_indices, device_indices, layer_id, io_backend, **kwargs)
     _mla_backup_layer(self, self._host_layer_by_controller[layer_id],
                       self.device_kv_buffers[self._buffer_index_by_layer[layer_id]], host_indices, device_indices,
@@ -125,7 +150,7 @@ def mla_backup_from_device_per_layer(original, self, host_indices, device_indice
 def mla_backup_from_device_per_layer_0522(original, self, host_indices, device_indices, layer_id, io_backend,
                                           **kwargs):
     """0.5.22: the pool holds the device buffers, indexed by layer; a draft layer's host layer is its id."""
-    if _mla_method_serves(self, io_backend):
+    if _lacks(self, mla_backup_from_device_per_layer_0522) or _mla_method_serves(self, io_backend):
         return original(self, host_indices, device_indices, layer_id, io_backend, **kwargs)
     host_layer = layer_id if kwargs.get("is_draft", False) else self._host_layer_index(layer_id)
     _mla_backup_layer(self, host_layer, self.device_kv_buffers[layer_id], host_indices, device_indices, io_backend)
@@ -135,7 +160,7 @@ def mla_backup_from_device_per_layer_0522(original, self, host_indices, device_i
 def mla_backup_from_device_per_layer_0516(original, self, device_pool, host_indices, device_indices, layer_id,
                                           io_backend, **kwargs):
     """0.5.16-0.5.21: the device pool is an argument; a draft layer has its own one-layer pool."""
-    if _mla_method_serves(self, io_backend):
+    if _lacks(self, mla_backup_from_device_per_layer_0516) or _mla_method_serves(self, io_backend):
         return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
     draft = kwargs.get("is_draft", False)
     host_layer = layer_id if draft else self._host_layer_index(layer_id)
@@ -177,7 +202,7 @@ _DSA_POOL = ("layout", "indexer_page_stride_size", "_host_layer_index", "_get_in
 def dsa_backup_from_device_per_layer(original, self, device_pool, host_indices, device_indices, layer_id,
                                      io_backend, **kwargs):
     """0.5.22+: a draft layer's host layer comes from the pool (_draft_host_layer)."""
-    if _dsa_method_serves(self, io_backend):
+    if _lacks(self, dsa_backup_from_device_per_layer) or _dsa_method_serves(self, io_backend):
         return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
     draft = kwargs.get("is_draft", False)
     host_layer = self._draft_host_layer(layer_id) if draft else self._host_layer_index(layer_id)
@@ -190,7 +215,7 @@ def dsa_backup_from_device_per_layer(original, self, device_pool, host_indices, 
 def dsa_backup_from_device_per_layer_0516(original, self, device_pool, host_indices, device_indices, layer_id,
                                           io_backend, **kwargs):
     """0.5.16-0.5.21: a draft layer's host layer is its id."""
-    if _dsa_method_serves(self, io_backend):
+    if _lacks(self, dsa_backup_from_device_per_layer_0516) or _dsa_method_serves(self, io_backend):
         return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
     draft = kwargs.get("is_draft", False)
     host_layer = layer_id if draft else self._host_layer_index(layer_id)

@@ -179,6 +179,22 @@ def _has_plugin_mechanism() -> bool | None:
                for root in spec.submodule_search_locations)
 
 
+def bad_settings() -> str | None:
+    """Why this package's settings stop the plugin here, or None: every setting the plugin's paths read
+    later (the staging budget in SGLang's backup thread, the copy method and resident kernel at the first
+    copy, the cache, arch and lock settings at the first build) is read now, so that a bad one is refused
+    when the plugin registers, not raised inside SGLang once it serves."""
+    from ... import settings
+    from ...buildcache.arch import named_archs
+
+    problems = [r["error"] for r in settings.effective() if r["error"] and r["variable"] != settings.SGLANG_PLUGIN]
+    try:
+        named_archs()
+    except ValueError as exc:  # BadSettingError: an arch variable that names no arch
+        problems.append(str(exc))
+    return "; ".join(problems) or None
+
+
 def describe() -> dict:
     """What SGLang would do with this plugin here, without importing SGLang (for `info`)."""
     from importlib.metadata import PackageNotFoundError, entry_points, version
@@ -196,6 +212,8 @@ def describe() -> dict:
         switch, switch_error = settings.sglang_plugin_enabled(), None
     except ValueError as exc:  # a value the setting does not take: the plugin logs it and stays off
         switch, switch_error = None, getattr(exc, "reason", str(exc))
+    if switch:  # with the switch off register() reads nothing else
+        switch_error = bad_settings()
     loads_plugins = _has_plugin_mechanism() if sglang_version else None
     try:  # read whether SGLang is here or not: a damaged table is a damaged install either way
         rows, table_error = _rows(), None
@@ -205,7 +223,8 @@ def describe() -> dict:
     described = {"sglang": sglang_version, "entry_point": name, "switch": switch, "error": switch_error,
                  "sglang_plugins": sorted(whitelist) if whitelist is not None else None,
                  "loads_plugins": loads_plugins, "release": row, "support_table": table_error, "active": False}
-    # A bad switch is the user's own first problem, so it is reported before anything about the install.
+    # A bad switch or setting is the user's own first problem, so it is reported before anything about the
+    # install (register() refuses to register anything then).
     if switch_error:
         line = f"not active, SGLang runs unchanged: {switch_error}"
     elif table_error:  # register() refuses to register anything then
