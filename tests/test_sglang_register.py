@@ -293,7 +293,7 @@ def test_a_table_that_cannot_be_opened_names_the_reason(table, monkeypatch):
 BAD_SETTINGS = [("SGLANG_HICACHE_JIT_STAGING", "\u0663"), ("SGLANG_HICACHE_JIT_STAGING", "\uff15\uff11\uff12M"),
                 ("SGLANG_HICACHE_JIT_STAGING", "lots"), ("SGLANG_HICACHE_JIT_METHOD", "fastest"),
                 ("SGLANG_HICACHE_JIT_RESIDENT_BLOCKS", "0"), ("SGLANG_HICACHE_JIT_RESIDENT_IDLE_US", "-5"),
-                ("SGLANG_HICACHE_JIT_DRIVER_BATCH", "maybe"), ("SGLANG_HICACHE_BLOCK_QUOTA", "0"),
+                ("SGLANG_HICACHE_BLOCK_QUOTA", "0"),
                 ("SGLANG_HICACHE_JIT_LOCK_TIMEOUT", "nan"), ("SGLANG_HICACHE_JIT_CACHE_MAX_SIZE", "big"),
                 ("SGLANG_HICACHE_JIT_BUILD_JOBS", "all"), ("SGLANG_HICACHE_JIT_ARCH", "sm_999"),
                 ("SGLANG_HICACHE_JIT_CACHE_DIR", "/proc/hicache"), ("SGLANG_HICACHE_JIT_TRUSTED_OWNERS", "nobody-here-x")]
