@@ -245,21 +245,25 @@ def host_layer_table(buffer: torch.Tensor, num_layers: int, row_bytes: int, devi
     """uint64 CUDA table of the per-layer row-0 addresses of a ``page_first``
     host buffer, where layer l of a token starts ``l * row_bytes`` into its
     slot. Cached per buffer: pools pass the same tensor on every call."""
-    return _buffer_table(buffer, [layer * row_bytes for layer in range(num_layers)], device)
+    hit = _host_tables.get((id(buffer), buffer.data_ptr(), (num_layers, row_bytes), str(device)))
+    if hit is not None and hit[0]() is buffer:  # the hit, inline: a backup's hot path
+        return hit[1]
+    return _buffer_table(buffer, (num_layers, row_bytes), lambda: [layer * row_bytes for layer in range(num_layers)],
+                         device)
 
 
-def _buffer_table(buffer: torch.Tensor, offsets: list, device) -> torch.Tensor:
-    """uint64 table of ``buffer``'s address plus each of ``offsets`` on ``device``, cached per buffer. The
-    buffer is registered as an allocation of its own (transfer/extents.py), so the ops bound the table's
-    rows by the buffer itself, not by the larger allocation it may be part of; the table is built checked
-    (transfer/pointer_tables.py), never read back."""
-    key = (id(buffer), buffer.data_ptr(), tuple(offsets), str(device))
+def _buffer_table(buffer: torch.Tensor, key, offsets, device) -> torch.Tensor:
+    """uint64 table of ``buffer``'s address plus each of ``offsets()`` on ``device``, cached per buffer and
+    ``key`` (what the offsets are made from). The buffer is registered as an allocation of its own
+    (transfer/extents.py), so the ops bound the table's rows by the buffer itself, not by the larger
+    allocation it may be part of; the table is built checked (transfer/pointer_tables.py), never read back."""
+    key = (id(buffer), buffer.data_ptr(), key, str(device))
     hit = _host_tables.get(key)
     if hit is not None and hit[0]() is buffer:
         return hit[1]
     extents.register(buffer, "a host buffer passed to compat")
     base = buffer.data_ptr()
-    table = pointer_tables.build([base + offset for offset in offsets], device, "a host buffer's layer table")
+    table = pointer_tables.build([base + offset for offset in offsets()], device, "a host buffer's layer table")
     if len(_host_tables) >= 64:
         _host_tables.clear()
     _host_tables[key] = (weakref.ref(buffer), table)
@@ -502,8 +506,9 @@ def transfer_hicache_all_layer_staged_lf_page_unified(
     src_stride = groups * group_bytes  # a device token row holds every head group
     for g in range(groups):
         k_offsets = [((g * layers + layer) * 2) * page_size * group_bytes for layer in range(layers)]
-        k_table = _buffer_table(dst, k_offsets, device)
-        v_table = _buffer_table(dst, [page_size * group_bytes + o for o in k_offsets], device)
+        k_table = _buffer_table(dst, ("page_unified k", tuple(k_offsets)), lambda: k_offsets, device)
+        v_table = _buffer_table(dst, ("page_unified v", tuple(k_offsets), page_size * group_bytes),
+                                lambda: [page_size * group_bytes + o for o in k_offsets], device)
         ops.transfer_pointer_tables((k_table, v_table), dst_rows,
                                     (_shifted(k_ptr_src, g * group_bytes, "k_ptr_src"),
                                      _shifted(v_ptr_src, g * group_bytes, "v_ptr_src")),
@@ -527,7 +532,8 @@ def transfer_hicache_all_layer_mla_staged_lf_page_unified(
     _, layers, page_size, dim = dst.shape
     row_bytes = dim * dst.element_size()
     device = ptr_src.device
-    table = _buffer_table(dst, [layer * page_size * row_bytes for layer in range(layers)], device)
+    table = _buffer_table(dst, ("page_unified mla", layers, page_size, row_bytes),
+                          lambda: [layer * page_size * row_bytes for layer in range(layers)], device)
     rows_per_page = layers * page_size
     dst_rows = page_unified_rows(dst_pages, page_size, rows_per_page, dst.shape[0], name="dst_pages").to(device)
     ops.transfer_pointer_tables(table, dst_rows, ptr_src, page_unified_rows(src_pages.to(device), page_size, page_size),

@@ -289,8 +289,12 @@ def _checked(tables: tuple, name, stride: int, row_bytes: int) -> tuple[int, lis
         names = name
     else:
         names = (name,) if len(tables) == 1 else (f"{name}[k]", f"{name}[v]")
-    checked = [pointer_tables.checked(t, n) for t, n in zip(tables, names)]
-    for c, n in zip(checked, names):
+    rows, checked = None, []
+    for t, n in zip(tables, names):
+        c = pointer_tables.checked(t, n)
         if c.launch is None:
             raise ValueError(f"{n} must be on the GPU (the kernel reads it), got a CPU tensor")
-    return min(c.rows(stride, row_bytes, n) for c, n in zip(checked, names)), checked
+        r = c.rows(stride, row_bytes, n)
+        rows = r if rows is None or r < rows else rows
+        checked.append(c)
+    return rows, checked

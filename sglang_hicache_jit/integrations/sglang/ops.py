@@ -502,12 +502,15 @@ def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, ite
     'direct'): staging must read the indices on the host, and for GPU indices (SGLang's 'kernel' backend)
     that would be a host sync in SGLang's scheduler thread, which the kernel's own backup never makes. The
     gather takes the kernel (a few microseconds of SMs) even under 'direct', where the probe allows."""
+    if isinstance(dst_indices, torch.Tensor) and isinstance(src_indices, torch.Tensor) and (
+            dst_indices.is_cuda or src_indices.is_cuda):
+        return False  # the kernel's backup, whose launch checks them
+    if (num_layers < 2 or layout_dim != num_layers * item_size
+            or any(h.is_cuda or not h.is_contiguous() for h in hosts) or not _kernel_works(item_size)):
+        return False
     device = src_tables[0].device.index if src_tables[0].is_cuda else None
     bounds.check_index_tensor("dst_indices", dst_indices, device)  # before the staging area reads them as int64
     bounds.check_index_tensor("src_indices", src_indices, device)
-    if (num_layers < 2 or layout_dim != num_layers * item_size or dst_indices.is_cuda or src_indices.is_cuda
-            or any(h.is_cuda or not h.is_contiguous() for h in hosts) or not _kernel_works(item_size)):
-        return False
     # The device rows every layer's allocation holds: the staging area checks src_indices against them.
     device_rows = min(pointer_tables.checked(t, name).rows(item_size, item_size, name)
                       for t, name in zip(src_tables, ("src_k_layers", "src_v_layers") if len(src_tables) > 1
