@@ -255,8 +255,11 @@ def _driver_range(address: int, device: int | None):
     found = driver.address_range(address)
     if found == _CUDA_ERROR_INVALID_CONTEXT:
         # No context current in this thread (a thread that has not used CUDA yet): the device's primary one.
-        with torch.cuda.device(torch.cuda.current_device() if device is None else device):
-            found = driver.address_range(address)
+        try:
+            with torch.cuda.device(torch.cuda.current_device() if device is None else device):
+                found = driver.address_range(address)
+        except Exception:  # no device to make current: the address has no extent CUDA knows
+            return None
     if isinstance(found, int):
         return None
     base, size = found
