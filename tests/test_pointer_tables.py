@@ -304,3 +304,43 @@ def test_the_plugin_registers_each_layer_of_the_pools_it_hooks(monkeypatch):
     for _ in range(3):
         pools.load_to_device_per_layer(original, pool, device_pool, torch.arange(2), torch.arange(2), 0, "kernel")
     assert len(seen) == 2 * LAYERS
+
+
+# ---------------------------------------------------------------------------
+# The driver's answer (cuMemGetAddressRange), with a stand-in driver.
+
+class FakeDriver:
+    """Mappings [base, base + size) inside reservations, as cuMemGetAddressRange and cuPointerGetAttribute
+    describe them: ``address_range`` gives the mapping holding an address (or CUDA_ERROR_NOT_FOUND, 500)."""
+
+    def __init__(self, mappings, reservations):
+        self.mappings, self.reservations, self.calls = mappings, reservations, 0
+
+    def address_range(self, address):
+        self.calls += 1
+        for base, size in self.mappings:
+            if base <= address < base + size:
+                return base, size
+        return 500
+
+    def reserved(self, address):
+        for start, size in self.reservations:
+            if start <= address < start + size:
+                return start, size
+        return None
+
+
+def test_the_driver_s_allocation_and_cumemmap_pieces(monkeypatch):
+    monkeypatch.undo()  # this test is about _driver_range itself
+    mb = 1 << 20
+    # A cudaMalloc'd allocation (its own reservation), and three 2 MiB pieces mapped back to back inside a
+    # 1 GiB reservation (torch's expandable segments) followed by a gap and a piece further on.
+    driver = FakeDriver([(16 * mb, 3 * mb), (1 << 30, 2 * mb), ((1 << 30) + 2 * mb, 2 * mb),
+                         ((1 << 30) + 4 * mb, 2 * mb), ((1 << 30) + 10 * mb, 2 * mb)],
+                        [(16 * mb, 3 * mb), (1 << 30, 1 << 30)])
+    monkeypatch.setattr(extents, "_driver_state", [driver])
+    plain = extents._driver_range(17 * mb, None)
+    assert (plain.start, plain.end) == (16 * mb, 19 * mb)
+    pieces = extents._driver_range((1 << 30) + 3 * mb, None)
+    assert (pieces.start, pieces.end) == ((1 << 30) + 2 * mb, (1 << 30) + 6 * mb)  # up to the gap, not past it
+    assert extents._driver_range(12345, None) is None and extents._driver_range(0, None) is None
