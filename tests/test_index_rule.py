@@ -16,7 +16,7 @@ from sglang_hicache_jit import compat, ops
 from sglang_hicache_jit.errors import TransferIndexError
 from sglang_hicache_jit.host_pool import MHADevicePool, MHAHostKVPool, MLADevicePool, MLAHostKVPool
 from sglang_hicache_jit.integrations.sglang import ops as routed
-from sglang_hicache_jit.transfer import bounds, direct, launcher, plans
+from sglang_hicache_jit.transfer import bounds, direct, extents, launcher, plans
 
 TOP = (1 << 63) - 1  # the largest int64
 GUARD = 3
@@ -428,13 +428,16 @@ def test_staged_write_back_tells_the_kernel_the_host_buffer_s_size(fake_device, 
     slots, layers, row = 64, 3, 16
     dst = fake_gpu.pinned(torch.zeros(slots, layers, row, dtype=torch.uint8))
     staging = fake_gpu.cuda(torch.zeros(4, layers, row, dtype=torch.uint8))
-    table = fake_gpu.cuda(torch.arange(1, layers + 1, dtype=torch.int64).view(torch.uint64))
-    monkeypatch.setattr(compat, "host_layer_table",
-                        lambda buffer, n, size, device: fake_gpu.cuda(torch.arange(1, n + 1).view(torch.uint64)))
+    device_layers = [torch.zeros(8, row, dtype=torch.uint8) for _ in range(layers)]  # CPU memory as device layers
+    for t in device_layers + [dst]:
+        extents.register(t)  # what the plugin does for a pool's buffers (no driver to ask here)
+    table = fake_gpu.cuda(torch.tensor([t.data_ptr() for t in device_layers]).view(torch.uint64))
+    monkeypatch.setattr(compat, "host_layer_table", lambda buffer, n, size, device: fake_gpu.cuda(
+        torch.tensor([buffer.data_ptr() + layer * size for layer in range(n)]).view(torch.uint64)))
     compat.transfer_hicache_all_layer_mla_staged_lf_pf(table, fake_gpu.cuda(torch.arange(2)),
                                                        fake_gpu.cuda(torch.tensor([0, slots - 1])), staging, dst,
                                                        page_size=1)
-    assert fake_device[-1]["dst_rows"] == slots
+    assert (fake_device[-1]["dst_rows"], fake_device[-1]["src_rows"]) == (slots, 8)
     monkeypatch.setenv("SGLANG_HICACHE_JIT_STRICT", "1")
     ops.reload_settings()
     for bad in (slots, slots + 2, TOP):

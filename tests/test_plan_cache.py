@@ -4,6 +4,7 @@ error as before). The device is tests/fake_gpu.py's stand-in; its launcher
 records each HicacheTransfer it gets, index values included."""
 
 import contextlib
+import ctypes
 import gc
 import threading
 import types
@@ -14,7 +15,7 @@ import torch
 
 import fake_gpu
 from sglang_hicache_jit import ops
-from sglang_hicache_jit.transfer import launcher
+from sglang_hicache_jit.transfer import extents, launcher, pointer_tables
 from sglang_hicache_jit.errors import TransferIndexError
 
 
@@ -389,16 +390,37 @@ def ptr_table(*addresses):
     return fake_gpu.cuda(torch.tensor(addresses, dtype=torch.uint64))
 
 
-def test_pointer_table_plans(launches, monkeypatch):
+@pytest.fixture
+def known(monkeypatch):
+    """Fake allocations (transfer/extents.py's registry) for the made-up addresses of these tests' tables:
+    4 KiB from each of 4096, 8192, 16384, 32768, 1 MiB and 2 MiB, and nothing else (the driver is not asked)."""
+    for start in (4096, 8192, 16384, 32768, 1 << 20, 1 << 21):
+        extents.register_range(start, 4096, "a test range")
+    monkeypatch.setattr(extents, "_driver_range", lambda address, device: None)
+    yield
+    extents.clear()
+    pointer_tables.clear()
+
+
+def launched_table(address: int, layers: int) -> list:
+    return list((ctypes.c_uint64 * layers).from_address(address))
+
+
+def test_pointer_table_plans(launches, known, monkeypatch):
     # What SGLang's all-layer backups pass on every call: the same pointer tables.
     d, h = ptr_table(4096, 8192), ptr_table(16384, 32768)
     call = lambda **kw: ops.transfer_pointer_tables(  # noqa: E731
         h, gpu_idx(1), d, gpu_idx(2), **{"dst_stride_bytes": 64, "src_stride_bytes": 16, "element_size": 16, **kw})
     call()
-    monkeypatch.setattr(ops, "_pointer_table", None)  # a hit neither checks the tables again ...
+    monkeypatch.setattr(pointer_tables, "_check", None)  # a hit neither reads the tables again ...
     monkeypatch.setattr(ops, "_Plan", None)  # ... nor builds a plan
     call()
-    assert (launches.last["dst_table0"], launches.last["src_table0"]) == (h.data_ptr(), d.data_ptr())
+    # The kernel reads a private copy of the addresses that were checked, never the caller's table.
+    dst_table, src_table = launches.last["dst_table0"], launches.last["src_table0"]
+    assert dst_table not in (h.data_ptr(), 0) and src_table not in (d.data_ptr(), 0)
+    assert launched_table(dst_table, 2) == [16384, 32768] and launched_table(src_table, 2) == [4096, 8192]
+    # Each side's rows are what every layer's allocation holds: 4096 B at 64 and 16 B apart.
+    assert (launches.last["dst_rows"], launches.last["src_rows"]) == (4096 // 64, 4096 // 16)
     assert launches.last["dst_index_values"] == [1] and len(plans()) == 1
     # The integers are checked on every call, a hit or not (True == 1 and hashes alike).
     for bad in (dict(element_size=True), dict(element_size=6), dict(dst_stride_bytes=-4), dict(src_stride_bytes=2.0)):
@@ -410,27 +432,42 @@ def test_pointer_table_plans(launches, monkeypatch):
     monkeypatch.undo()
     h.set_(torch.tensor([1 << 20, 1 << 21], dtype=torch.uint64))  # the same object, another table
     call()
-    assert launches.last["dst_table0"] == h.data_ptr()
-    d.data = torch.Tensor.view(d, torch.float64)  # the same object and memory, another dtype
-    with pytest.raises(ValueError, match="uint64"):
+    assert launched_table(launches.last["dst_table0"], 2) == [1 << 20, 1 << 21]
+    torch.Tensor.view(d, torch.int64).data[0] = 1 << 40  # a write torch does not count: the checked copy runs
+    call()
+    assert launched_table(launches.last["src_table0"], 2) == [4096, 8192]
+    d.resize_(1)  # torch counts this: read again, where it finds the write above, and refuses it
+    with pytest.raises(ValueError, match=r"tables_src\[0\] = 0x10000000000 lies in no allocation"):
         call()
-    d.data = torch.Tensor.view(d, torch.uint64)
-    d.resize_(1)  # another layer count: refused, as on a first call
-    with pytest.raises(ValueError, match="same number of layers"):
+    torch.Tensor.view(d, torch.int64)[0] = 4096
+    with pytest.raises(ValueError, match="same number of layers"):  # another layer count, as on a first call
         call()
-    assert len(launches.calls) == 3
+    assert len(launches.calls) == 4
 
 
-def test_a_copied_pointer_table_is_not_kept(launches):
-    # A non-contiguous table is copied for the launch; a plan must not keep the copy's address.
+def test_a_pointer_table_is_refused_where_a_row_leaves_its_allocation(launches, known):
+    # 4 KiB at 16384: rows of 64 B fit 64 times; an address 32 B before the end holds no 64-B row.
+    d = ptr_table(4096, 8192)
+    with pytest.raises(ValueError, match=r"tables_dst\[1\] = 0x8fe0: a row of 64 bytes"):
+        ops.transfer_pointer_tables(ptr_table(16384, 32768 + 4096 - 32), gpu_idx(1), d, gpu_idx(2),
+                                    dst_stride_bytes=64, src_stride_bytes=64, element_size=64)
+    with pytest.raises(ValueError, match=r"tables_src\[0\] = 0x3000 lies in no allocation"):
+        ops.transfer_pointer_tables(ptr_table(16384, 32768), gpu_idx(1), ptr_table(12288, 8192), gpu_idx(2),
+                                    dst_stride_bytes=64, src_stride_bytes=64, element_size=64)
+    assert not launches.calls
+
+
+def test_a_non_contiguous_pointer_table_runs_from_its_checked_copy(launches, known):
     d = fake_gpu.cuda(torch.tensor([4096, 0, 8192, 0], dtype=torch.uint64)[::2])
     h = ptr_table(16384, 32768)
-    ops.transfer_pointer_tables(h, gpu_idx(1), d, gpu_idx(2), dst_stride_bytes=64, src_stride_bytes=16,
-                                element_size=16)
-    assert len(plans()) == 0
+    for _ in range(2):
+        ops.transfer_pointer_tables(h, gpu_idx(1), d, gpu_idx(2), dst_stride_bytes=64, src_stride_bytes=16,
+                                    element_size=16)
+    assert launched_table(launches.last["src_table0"], 2) == [4096, 8192]
+    assert len(plans()) == 1  # the copy lives with the checked table, so the plan is kept
 
 
-def test_pointer_table_plans_keep_nothing_alive(launches):
+def test_pointer_table_plans_keep_nothing_alive(launches, known):
     d, h = ptr_table(4096, 8192), ptr_table(16384, 32768)
     ops.transfer_pointer_tables(h, gpu_idx(1), d, gpu_idx(2), dst_stride_bytes=64, src_stride_bytes=16,
                                 element_size=16)

@@ -136,7 +136,7 @@ def overhead(args, records: list | None = None) -> list[dict]:
     floor under which a small transfer cannot go however fast the kernel is."""
     import torch
 
-    from ..transfer import abi, launcher, ops, plans
+    from ..transfer import abi, launcher, ops, plans, pointer_tables
 
     records = [] if records is None else records  # filled as it goes: an interrupted run keeps them
     tokens = 64
@@ -156,8 +156,16 @@ def overhead(args, records: list | None = None) -> list[dict]:
         finally:
             state._launch_c = c_launch
 
+    # Raw pointer tables (SGLang's all-layer backups): 8 device layers into the page_first host buffer's layers.
+    layers = [torch.empty((4096, 1152), dtype=torch.uint8, device="cuda") for _ in range(8)]
+    dev_table = torch.tensor([t.data_ptr() for t in layers], device="cuda").view(torch.uint64)
+    host_table = torch.tensor([host_buf[:, i].data_ptr() for i in range(8)], device="cuda").view(torch.uint64)
     calls = {
         "jit one-layer, GPU indices": lambda: ops.transfer_one_layer_mla(dev, idx_gpu, host, idx_gpu),
+        "jit all-layer, pointer tables": lambda: ops.transfer_pointer_tables(
+            host_table, idx_gpu, dev_table, idx_gpu, dst_stride_bytes=8 * 1152, src_stride_bytes=1152,
+            element_size=1152),
+        "  pointer table check, cached": lambda: pointer_tables.checked(dev_table, "tables_src"),
         "jit one-layer, CPU indices": lambda: ops.transfer_one_layer_mla(dev, idx_cpu, host, idx_cpu),
         # SGLang's routed ops pass a fresh view of each pool buffer per call.
         "jit one-layer, fresh views": lambda: ops.transfer_one_layer_mla(dev.view(4096, -1), idx_gpu,

@@ -40,7 +40,7 @@ import weakref
 
 import torch
 
-from ..transfer import bounds, ops
+from ..transfer import bounds, extents, ops, pointer_tables
 from ..transfer.probe import probe
 
 log = logging.getLogger("sglang_hicache_jit.compat")  # its name from before the move to a subpackage (issue 20)
@@ -214,7 +214,8 @@ def transfer_hicache_all_layer(
                          "kv_cache_src_stride_bytes and kv_cache_dst_stride_bytes")
     ops.transfer_pointer_tables((k_ptr_dst, v_ptr_dst), indices_dst, (k_ptr_src, v_ptr_src), indices_src,
                                 dst_stride_bytes=kv_cache_dst_stride_bytes, src_stride_bytes=kv_cache_src_stride_bytes,
-                                element_size=size, block_quota=block_quota)
+                                element_size=size, block_quota=block_quota,
+                                names=(("k_ptr_dst", "v_ptr_dst"), ("k_ptr_src", "v_ptr_src")))
 
 
 def transfer_hicache_all_layer_mla(
@@ -233,7 +234,8 @@ def transfer_hicache_all_layer_mla(
     size = _element_size(element_size, cache_src_stride_bytes, cache_dst_stride_bytes,
                          "cache_src_stride_bytes and cache_dst_stride_bytes")
     ops.transfer_pointer_tables(ptr_dst, indices_dst, ptr_src, indices_src, dst_stride_bytes=cache_dst_stride_bytes,
-                                src_stride_bytes=cache_src_stride_bytes, element_size=size, block_quota=block_quota)
+                                src_stride_bytes=cache_src_stride_bytes, element_size=size, block_quota=block_quota,
+                                names=("ptr_dst", "ptr_src"))
 
 
 # ---------------------------------------------------------------------------
@@ -243,13 +245,25 @@ def host_layer_table(buffer: torch.Tensor, num_layers: int, row_bytes: int, devi
     """uint64 CUDA table of the per-layer row-0 addresses of a ``page_first``
     host buffer, where layer l of a token starts ``l * row_bytes`` into its
     slot. Cached per buffer: pools pass the same tensor on every call."""
-    key = (id(buffer), buffer.data_ptr(), num_layers, row_bytes, str(device))
+    hit = _host_tables.get((id(buffer), buffer.data_ptr(), (num_layers, row_bytes), str(device)))
+    if hit is not None and hit[0]() is buffer:  # the hit, inline: a backup's hot path
+        return hit[1]
+    return _buffer_table(buffer, (num_layers, row_bytes), lambda: [layer * row_bytes for layer in range(num_layers)],
+                         device)
+
+
+def _buffer_table(buffer: torch.Tensor, key, offsets, device) -> torch.Tensor:
+    """uint64 table of ``buffer``'s address plus each of ``offsets()`` on ``device``, cached per buffer and
+    ``key`` (what the offsets are made from). The buffer is registered as an allocation of its own
+    (transfer/extents.py), so the ops bound the table's rows by the buffer itself, not by the larger
+    allocation it may be part of; the table is built checked (transfer/pointer_tables.py), never read back."""
+    key = (id(buffer), buffer.data_ptr(), key, str(device))
     hit = _host_tables.get(key)
     if hit is not None and hit[0]() is buffer:
         return hit[1]
+    extents.register(buffer, "a host buffer passed to compat")
     base = buffer.data_ptr()
-    table = torch.tensor([base + layer * row_bytes for layer in range(num_layers)], dtype=torch.uint64,
-                         device=device)
+    table = pointer_tables.build([base + offset for offset in offsets()], device, "a host buffer's layer table")
     if len(_host_tables) >= 64:
         _host_tables.clear()
     _host_tables[key] = (weakref.ref(buffer), table)
@@ -307,7 +321,7 @@ def transfer_hicache_all_layer_staged_lf_pf(
                                  host_layer_table(dst_v, layers, size, device)), dst_indices,
                                 (k_ptr_src, v_ptr_src), src_indices, dst_stride_bytes=layout_dim,
                                 src_stride_bytes=size, element_size=size, block_quota=block_quota,
-                                dst_rows=dst_k.shape[0])
+                                dst_rows=dst_k.shape[0], names=(("dst_k", "dst_v"), ("k_ptr_src", "v_ptr_src")))
 
 
 def transfer_hicache_all_layer_mla_staged_lf_pf(
@@ -325,7 +339,8 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(
     size, layout_dim = staged_geometry(staging, dst, element_size)
     ops.transfer_pointer_tables(host_layer_table(dst, dst.shape[1], size, ptr_src.device), dst_indices, ptr_src,
                                 src_indices, dst_stride_bytes=layout_dim, src_stride_bytes=size,
-                                element_size=size, block_quota=block_quota, dst_rows=dst.shape[0])
+                                element_size=size, block_quota=block_quota, dst_rows=dst.shape[0],
+                                names=("dst", "ptr_src"))
 
 
 # ---------------------------------------------------------------------------
@@ -459,13 +474,10 @@ def _check_page_unified_write_back(staging, dst, src_pages, dst_pages) -> None:
                          f"{dst_pages.numel()}")
 
 
-def _layer_offsets_table(base: int, offsets: list[int], device) -> torch.Tensor:
-    return torch.tensor([base + o for o in offsets], dtype=torch.uint64, device=device)
-
-
-def _shifted(table: torch.Tensor, offset: int) -> torch.Tensor:
-    # uint64 arithmetic is not implemented on every torch build; the addresses fit in int64.
-    return (table.view(torch.int64) + offset).view(torch.uint64) if offset else table
+def _shifted(table: torch.Tensor, offset: int, name: str) -> torch.Tensor:
+    """``table`` (the argument ``name``) with ``offset`` bytes added to each address, made once per table and
+    offset from the checked addresses (pointer_tables.py), so no call reads a table back."""
+    return pointer_tables.checked(table, name).shifted(offset)
 
 
 def transfer_hicache_all_layer_staged_lf_page_unified(
@@ -494,12 +506,15 @@ def transfer_hicache_all_layer_staged_lf_page_unified(
     src_stride = groups * group_bytes  # a device token row holds every head group
     for g in range(groups):
         k_offsets = [((g * layers + layer) * 2) * page_size * group_bytes for layer in range(layers)]
-        k_table = _layer_offsets_table(dst.data_ptr(), k_offsets, device)
-        v_table = _layer_offsets_table(dst.data_ptr() + page_size * group_bytes, k_offsets, device)
+        k_table = _buffer_table(dst, ("page_unified k", tuple(k_offsets)), lambda: k_offsets, device)
+        v_table = _buffer_table(dst, ("page_unified v", tuple(k_offsets), page_size * group_bytes),
+                                lambda: [page_size * group_bytes + o for o in k_offsets], device)
         ops.transfer_pointer_tables((k_table, v_table), dst_rows,
-                                    (_shifted(k_ptr_src, g * group_bytes), _shifted(v_ptr_src, g * group_bytes)),
+                                    (_shifted(k_ptr_src, g * group_bytes, "k_ptr_src"),
+                                     _shifted(v_ptr_src, g * group_bytes, "v_ptr_src")),
                                     src_rows, dst_stride_bytes=group_bytes, src_stride_bytes=src_stride,
-                                    element_size=group_bytes, dst_rows=dst_slots)
+                                    element_size=group_bytes, dst_rows=dst_slots,
+                                    names=(("dst", "dst"), ("k_ptr_src", "v_ptr_src")))
 
 
 def transfer_hicache_all_layer_mla_staged_lf_page_unified(
@@ -517,12 +532,13 @@ def transfer_hicache_all_layer_mla_staged_lf_page_unified(
     _, layers, page_size, dim = dst.shape
     row_bytes = dim * dst.element_size()
     device = ptr_src.device
-    table = _layer_offsets_table(dst.data_ptr(), [layer * page_size * row_bytes for layer in range(layers)], device)
+    table = _buffer_table(dst, ("page_unified mla", layers, page_size, row_bytes),
+                          lambda: [layer * page_size * row_bytes for layer in range(layers)], device)
     rows_per_page = layers * page_size
     dst_rows = page_unified_rows(dst_pages, page_size, rows_per_page, dst.shape[0], name="dst_pages").to(device)
     ops.transfer_pointer_tables(table, dst_rows, ptr_src, page_unified_rows(src_pages.to(device), page_size, page_size),
                                 dst_stride_bytes=row_bytes, src_stride_bytes=row_bytes, element_size=row_bytes,
-                                dst_rows=(dst.shape[0] - 1) * rows_per_page + page_size)
+                                dst_rows=(dst.shape[0] - 1) * rows_per_page + page_size, names=("dst", "ptr_src"))
 
 
 __all__ = [

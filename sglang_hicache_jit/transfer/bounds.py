@@ -9,6 +9,11 @@ number; ``token_rows`` refuses a token outside the pool before it multiplies, si
 (tokens 2**62 + k landed on page 0). A layer id must satisfy ``0 <= layer_id < layers``: Python's negative
 indexing would otherwise pick a layer from the end.
 
+Before any of that, an index tensor must be one (``check_index_tensor``): a dense 1-D int32 or int64
+tensor that holds data, on the CPU or on the transfer's GPU. A float index would be truncated (1.9 -> row
+1), and a NaN or a uint64 of 2**63 and more would turn negative in int64, which is padding: silently
+skipped rows. So every other dtype is refused, naming the argument.
+
 Every path calls these: the kernel ops (strict mode, and the pools' page-mapped indices), the direct
 path's runs, the host pools, compat and the routed SGLang ops (docs/concepts.md, "The index contract").
 """
@@ -26,6 +31,33 @@ from ..errors import TransferIndexError
 PAST_THE_END = (1 << 63) - 1
 
 
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_index_tensor(name: str, idx, device: int | None = None) -> None:
+    """The index contract every path shares: ``idx`` (the argument ``name``) is a dense 1-D int32 or int64
+    tensor that holds data (not a meta tensor), on the CPU or a GPU, and on GPU ``device`` where it is
+    given. TypeError (not a tensor, not one of those dtypes, sparse or nested) or ValueError (shape,
+    device) naming ``name`` otherwise."""
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 or int64 (1-D), got {type(idx).__name__}")
+    if idx.layout != torch.strided or getattr(idx, "is_nested", False):
+        kind = "nested" if getattr(idx, "is_nested", False) else str(idx.layout).split(".")[-1]
+        raise TypeError(f"{name} must be a dense (strided) tensor of int32 or int64, got a {kind} tensor")
+    if idx.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
+    if idx.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
+    if idx.is_meta:  # every path reads the indices, on the host or the GPU; torch raised NotImplementedError
+        raise ValueError(f"{name} must be on the CPU or a GPU, got a meta tensor (it holds no data)")
+    if idx.is_cuda:
+        if device is not None and idx.device.index != device:
+            raise ValueError(f"{name} is on {idx.device} but the transfer runs on cuda:{device}")
+    elif idx.device.type != "cpu":
+        where = "the CPU" if device is None else f"the CPU or cuda:{device}"
+        raise ValueError(f"{name} must be on {where}, got {idx.device}")
+
+
 def check_rows(name: str, first: torch.Tensor, rows: int, length: torch.Tensor | None = None, *,
                pool: str = "its pool") -> None:
     """Raises TransferIndexError unless every index of ``first`` addresses a row of a pool of ``rows``.
@@ -36,6 +68,8 @@ def check_rows(name: str, first: torch.Tensor, rows: int, length: torch.Tensor |
     starts of runs, which must satisfy ``0 <= start <= rows - length``: runs are made of kept pairs,
     so a negative start is an error there, not padding.
     """
+    if first.dtype not in _INDEX_DTYPES:  # a float max would be truncated by int() below
+        raise TypeError(f"{name} must be int32 or int64, got {first.dtype}")
     if not first.numel():
         return
     if length is None:
@@ -55,9 +89,14 @@ def check_rows(name: str, first: torch.Tensor, rows: int, length: torch.Tensor |
 def check_layer(layer_id, layers: int, *, name: str = "layer_id", pool: str = "a pool") -> int:
     """``layer_id`` as an int in ``[0, layers)``; TypeError or ValueError naming ``name`` otherwise."""
     try:
+        if isinstance(layer_id, bool) or (isinstance(layer_id, torch.Tensor) and (
+                layer_id.is_meta or layer_id.dtype == torch.bool)):
+            raise TypeError  # True is not layer 1; a meta tensor holds no value (its .item() raises RuntimeError)
         layer = operator.index(layer_id)
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(layer_id).__name__}") from None
+        what = (f"a {'meta ' if layer_id.is_meta else ''}{layer_id.dtype} tensor"
+                if isinstance(layer_id, torch.Tensor) else type(layer_id).__name__)
+        raise TypeError(f"{name} must be an int, got {what}") from None
     if not 0 <= layer < layers:
         raise ValueError(f"{name} {layer} is out of range for {pool} of {layers} layers")
     return layer
@@ -74,6 +113,7 @@ def token_rows(name: str, tokens: torch.Tensor, *, page_size: int, page_rows: in
     and reports it at the next op), so the caller must hand the rows to a path that knows the pool's
     row count. Either way the product is never formed for a token outside the pool.
     """
+    check_index_tensor(name, tokens)
     tokens = tokens.to(torch.int64)
     if tokens.is_cuda:
         outside = tokens >= slots

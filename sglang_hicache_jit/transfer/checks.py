@@ -1,6 +1,6 @@
 """Argument validation for the transfer ops: cache tensors reduced to what the kernel needs (_Side,
-LayerTable, pointer tables), the index contract, block quotas and method names. Everything here raises
-before a launch; nothing launches."""
+LayerTable), the index contract (its tensor rule lives in bounds.py), block quotas and method names.
+Everything here raises before a launch; nothing launches. Raw pointer tables are pointer_tables.py's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from .. import settings
 from .abi import _METHODS, _RESIDENT
-from .bounds import check_rows
+from .bounds import check_index_tensor, check_rows  # noqa: F401  (check_index_tensor: its home was here)
 
 # Environment settings, read once: os.environ costs a microsecond per look-up
 # on a path that must stay cheap. reload_settings() re-reads them.
@@ -121,28 +121,6 @@ def check_dense(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be on the CPU or a GPU, got a meta tensor (it holds no data)")
 
 
-def check_index_tensor(name: str, idx) -> None:
-    """The index contract shared by every path: a dense 1-D int32 or int64 tensor."""
-    if not isinstance(idx, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(idx).__name__}")
-    _check_strided(name, idx)
-    if idx.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
-    if idx.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
-    if idx.is_meta:  # every path reads the indices, on the host or the GPU; torch raised NotImplementedError
-        raise ValueError(f"{name} must be on the CPU or a GPU, got a meta tensor (it holds no data)")
-
-
-def _check_indices(name: str, idx, device: int) -> None:
-    check_index_tensor(name, idx)
-    if idx.is_cuda:
-        if idx.device.index != device:
-            raise ValueError(f"{name} is on {idx.device} but the transfer runs on cuda:{device}")
-    elif idx.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU or on cuda:{device}, got {idx.device}")
-
-
 def _check_range(name: str, idx: torch.Tensor, rows: int) -> None:
     if rows >= 0:  # -1: a raw pointer table, whose pool size is unknown
         check_rows(name, idx, rows)
@@ -151,8 +129,8 @@ def _check_range(name: str, idx: torch.Tensor, rows: int) -> None:
 def _gpu_indices(indices_dst, indices_src, device: int, dst_rows: int, src_rows: int):
     """Both index tensors on ``device`` with one dtype, after validation (and,
     in strict mode, a range check: on the host for CPU indices, else with a sync)."""
-    _check_indices("indices_dst", indices_dst, device)
-    _check_indices("indices_src", indices_src, device)
+    check_index_tensor("indices_dst", indices_dst, device)
+    check_index_tensor("indices_src", indices_src, device)
     if indices_dst.shape[0] != indices_src.shape[0]:
         raise ValueError(f"indices_dst has {indices_dst.shape[0]} entries but indices_src has "
                          f"{indices_src.shape[0]}; they must have the same length")
@@ -265,16 +243,3 @@ class LayerTable:
 def _is_kv_pair(caches) -> bool:
     return (isinstance(caches, tuple) and len(caches) == 2
             and all(isinstance(g, (list, tuple)) for g in caches))
-
-
-def _pointer_table(name: str, table, device: int | None) -> torch.Tensor:
-    if not isinstance(table, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of uint64 addresses, got {type(table).__name__}")
-    if table.dtype not in (torch.uint64, torch.int64) or table.dim() != 1:
-        raise ValueError(f"{name} must be a 1-D uint64 tensor (one address per layer), got {table.dtype} "
-                         f"with shape {tuple(table.shape)}")
-    if not table.is_cuda:
-        raise ValueError(f"{name} must be on the GPU (the kernel reads it), got {table.device}")
-    if device is not None and table.device.index != device:
-        raise ValueError(f"{name} is on {table.device} but the other tables are on cuda:{device}")
-    return table if table.is_contiguous() else table.contiguous()

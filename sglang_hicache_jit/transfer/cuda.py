@@ -6,8 +6,9 @@
 where each field sits, so that direct.py can build descriptor rows as one int64 tensor. Used by direct.py
 (copies), host_pool.py (pinning), plans.py (is host memory still pinned) and, through direct, staging.py.
 
-The CUDA driver (``libcuda``) is not bound: its ``cuMemcpyBatchAsync`` returned wrong rows without an
-error on driver 580.159.04 (docs/troubleshooting.md), and nothing else here needs it.
+No copy goes through the CUDA driver (``libcuda``): its ``cuMemcpyBatchAsync`` returned wrong rows without an
+error on driver 580.159.04 (docs/troubleshooting.md). The one driver call the package makes is
+``cuMemGetAddressRange``, in extents.py, to bound raw pointer tables by their allocations.
 """
 
 from __future__ import annotations

@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 
 from .abi import D2H_BLOCK_QUOTA, DEFAULT_BLOCK_QUOTA, METHOD_NAMES, RESIDENT_QUEUE_SLOTS  # noqa: F401  (public constants)
-from .checks import (LayerTable, MAX_BLOCK_QUOTA, _Side, _check_pair, _device_of, _pointer_table,  # noqa: F401
+from .checks import (LayerTable, MAX_BLOCK_QUOTA, _Side, _check_pair, _device_of,  # noqa: F401
                      _quota, check_dense, check_index_tensor)
 from .launcher import check_errors, resident_stats, stop_resident  # noqa: F401  (public ops)
 from .plans import _Plan, _keep, _local, _plan_cache, reload_settings, set_tuning  # noqa: F401
+from . import pointer_tables
 
 
 def transfer_one_layer_mla(cache_dst, indices_dst, cache_src, indices_src, *, element_dim=None,
@@ -193,18 +194,24 @@ def transfer_all_layer(tables_dst, indices_dst, tables_src, indices_src, *, bloc
 
 def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *, dst_stride_bytes: int,
                             src_stride_bytes: int, element_size: int, block_quota=None, method=None,
-                            dst_rows: int | None = None, src_rows: int | None = None) -> str:
+                            dst_rows: int | None = None, src_rows: int | None = None,
+                            names: tuple = ("tables_dst", "tables_src")) -> str:
     """All-layer copy from raw per-layer address tables (what SGLang's pools keep).
 
     ``tables_dst`` / ``tables_src`` are ``(k_table, v_table)`` pairs or a
     single table for MLA: 1-D uint64 CUDA tensors with one row-0 address per
-    layer. The kernel cannot know the pools' sizes from addresses: pass
-    ``dst_rows`` / ``src_rows`` (the slots every layer of that side holds)
-    where you know them, and the indices are checked as in the other ops;
-    a side left at None is not checked (or use LayerTable, which checks). Nor
-    does it know which side is host memory, so 'auto' means plain loads and
-    stores, which are fast in both directions (the bulk engine wins only for
-    host -> GPU; ask for method='bulk' there).
+    layer. Addresses carry no size, so each is looked up in the allocation it
+    lies in (pointer_tables.py, extents.py: the buffers registered there, torch's
+    allocator, the CUDA driver), and each side's indices are bounded by the rows
+    every layer's allocation holds; a table with an address in no known
+    allocation is refused. ``dst_rows`` / ``src_rows`` (the slots every layer of
+    that side holds), where the caller knows them, bound that side further.
+    The kernel launches with a private copy of the addresses that were checked
+    (pointer_tables.py says when a table is read again). It does not know which
+    side is host memory, so 'auto' means plain loads and stores, which are fast
+    in both directions (the bulk engine wins only for host -> GPU; ask for
+    method='bulk' there). ``names``: what errors call the two sides (a name per
+    side, or per table of the side).
     """
     dst = tables_dst if isinstance(tables_dst, tuple) else (tables_dst,)
     src = tables_src if isinstance(tables_src, tuple) else (tables_src,)
@@ -226,50 +233,68 @@ def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *,
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be None (unknown) or a positive int (slots of that side), got {value!r}")
     quota = 0 if block_quota is None else _quota(block_quota)
+    # Each table checked against its allocations (cached per table: a few attribute reads when it is as
+    # it was), and each side's rows: what every layer's allocation holds, and what the caller said.
+    rows_dst, dst = _checked(dst, names[0], dst_stride_bytes, element_size)
+    rows_src, src = _checked(src, names[1], src_stride_bytes, element_size)
+    if dst_rows is not None:
+        rows_dst = min(rows_dst, dst_rows)
+    if src_rows is not None:
+        rows_src = min(rows_src, src_rows)
     # Pools back up every layer through the same pointer tables on every
-    # call: a plan for them skips the table checks and the struct build. The
-    # key holds, per table, what those checks read (object, address, dtype,
-    # shape, strides, device), so set_() or resize_() on a table leads to
-    # another key, and refs (checked on a hit) make a dead table's reused id
-    # miss. The plan launches with the addresses of the tables passed now.
+    # call: a plan for them skips the struct build. The checked tables stand
+    # for the caller's (a table read again is a new record, so another key),
+    # and refs (checked on a hit) make a dead record's reused id miss.
     try:
         plans = _local.plans
     except AttributeError:  # this thread's first transfer
         plans = _plan_cache()
     tables = dst + src
-    key = [len(dst), dst_stride_bytes, src_stride_bytes, element_size, quota, method, dst_rows, src_rows]
+    key = (len(dst), dst_stride_bytes, src_stride_bytes, element_size, quota, method, rows_dst, rows_src,
+           *map(id, tables))
     try:
-        for t in tables:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError  # the full path names it
-            key += (id(t), t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
-        key = tuple(key)
         plan = plans.get(key)
-    except (TypeError, RuntimeError):  # not a tensor, no data pointer, or an unhashable method
+    except TypeError:  # an unhashable method: the full path names it
         plan = key = None
     if plan is not None:
         refs = plan.refs
         if refs[0]() is tables[0] and refs[1]() is tables[1] and (len(refs) == 2 or (
                 refs[2]() is tables[2] and refs[3]() is tables[3])):
             return plan.run(indices_dst, indices_src)
-    first = _pointer_table("tables_dst", dst[0], None)
-    device = first.device.index
-    dst = [first] + [_pointer_table("tables_dst", t, device) for t in dst[1:]]
-    src = [_pointer_table("tables_src", t, device) for t in src]
-    layers = {t.numel() for t in dst + src}
-    if len(layers) != 1 or 0 in layers:
-        raise ValueError(f"every pointer table must have the same number of layers, at least one, got "
-                         f"{sorted(layers)}")
+    devices = {t.device for t in tables}
+    if len(devices) != 1:
+        raise ValueError(f"the pointer tables must be on one GPU, got tables on {sorted(devices)}")
+    layers = {t.count for t in tables}
+    if len(layers) != 1:
+        raise ValueError(f"every pointer table must have the same number of layers, got {sorted(layers)}")
+    device = devices.pop()
     pad = [0, 0]
-    dst_ptrs = [t.data_ptr() for t in dst] + pad[len(dst):]
-    src_ptrs = [t.data_ptr() for t in src] + pad[len(src):]
+    dst_ptrs = [t.launch.data_ptr() for t in dst] + pad[len(dst):]
+    src_ptrs = [t.launch.data_ptr() for t in src] + pad[len(src):]
     plan = _Plan(device, dst_bases=(0, 0), src_bases=(0, 0), dst_tables=tuple(dst_ptrs[:2]),
                  src_tables=tuple(src_ptrs[:2]), num_layers=layers.pop(), dst_stride=dst_stride_bytes,
-                 src_stride=src_stride_bytes, row_bytes=element_size,
-                 dst_rows=-1 if dst_rows is None else dst_rows, src_rows=-1 if src_rows is None else src_rows,
+                 src_stride=src_stride_bytes, row_bytes=element_size, dst_rows=rows_dst, src_rows=rows_src,
                  to_device=False, quota=quota, method=method)
-    # Kept only when the plan holds the caller's own tables: a non-contiguous
-    # table was copied above, and that copy dies with this call.
-    if key is not None and all(a is b for a, b in zip(dst + src, tables)):
+    # The plan holds the addresses of the checked tables' private copies, which live as long as the
+    # records, which the refs check.
+    if key is not None:
         _keep(plans, key, plan, tables)
     return plan.run(indices_dst, indices_src)
+
+
+def _checked(tables: tuple, name, stride: int, row_bytes: int) -> tuple[int, list]:
+    """(rows every layer of every table of one side holds, the checked tables): pointer_tables.py.
+    ``name``: the side's argument name, or a tuple of one per table."""
+    if isinstance(name, tuple):
+        names = name
+    else:
+        names = (name,) if len(tables) == 1 else (f"{name}[k]", f"{name}[v]")
+    rows, checked = None, []
+    for t, n in zip(tables, names):
+        c = pointer_tables.checked(t, n)
+        if c.launch is None:
+            raise ValueError(f"{n} must be on the GPU (the kernel reads it), got a CPU tensor")
+        r = c.rows(stride, row_bytes, n)
+        rows = r if rows is None or r < rows else rows
+        checked.append(c)
+    return rows, checked

@@ -17,6 +17,12 @@ The "routed" rows call integrations/sglang/ops.py as SGLang 0.5.23's host
 pools do once the plugin is active (keyword arguments, element_dim, a
 per-layer view of a page_first buffer); with --baseline, that revision's
 integrations/sglang/ops.py (sglang_ops.py before), compat.py and ops.py are used together.
+The "pointer table" rows time transfer/pointer_tables.py's check of a table
+it has checked before (a stand-in CUDA table: data pointer and version; a CPU
+table: its bytes compared), the cost every all-layer call pays per table; the
+buffers the tables point into are registered as the SGLang plugin registers
+a pool's (transfer/extents.py), since no driver answers here. A tree without
+pointer_tables.py shows "-" there.
 
 On a GPU, ``tools/bench.py overhead`` (``sglang-hicache-jit bench --mode overhead``) measures the whole call.
 """
@@ -121,9 +127,24 @@ def calls(ops, routed):
     # (put in its cache by hand: building it needs a GPU).
     dev_ptrs = fake_gpu.cuda(torch.tensor([t.data_ptr() for t in mla_dev3], dtype=torch.uint64))
     host_rows = torch.tensor([pf_buf.data_ptr() + layer * ROW for layer in range(LAYERS)], dtype=torch.uint64)
-    routed.compat._host_tables[(id(pf_buf), pf_buf.data_ptr(), LAYERS, ROW, str(dev_ptrs.device))] = (
-        weakref.ref(pf_buf), fake_gpu.cuda(host_rows))
-    return {
+    for key in ((id(pf_buf), pf_buf.data_ptr(), LAYERS, ROW, str(dev_ptrs.device)),  # before pointer_tables.py
+                (id(pf_buf), pf_buf.data_ptr(), (LAYERS, ROW), str(dev_ptrs.device))):
+        routed.compat._host_tables[key] = (weakref.ref(pf_buf), fake_gpu.cuda(host_rows))
+    # A layer_first host pool (layers, slots, 1, dim) and its per-layer views (data_refs) and tables, as
+    # SGLang's layer_first pools keep them: the D2H backup of every layer through two pointer tables
+    # (MLA) or four (MHA).
+    lf_host = [fake_gpu.pinned(torch.zeros(LAYERS, SLOTS, 1, ROW, dtype=torch.uint8)) for _ in range(2)]
+    lf_refs = [[buf[layer] for layer in range(LAYERS)] for buf in lf_host]
+    lf_ptrs = [fake_gpu.cuda(torch.tensor([t.data_ptr() for t in refs], dtype=torch.uint64)) for refs in lf_refs]
+    mha_dev_ptrs = [fake_gpu.cuda(torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64)) for layers in dev]
+    cpu_table = torch.tensor([t.data_ptr() for t in mla_dev3], dtype=torch.uint64)  # a table in host memory
+    pointer_tables = getattr(importlib.import_module(ops.__package__), "pointer_tables", None)
+    if pointer_tables is not None:  # no driver to ask here: register what the tables point into
+        from sglang_hicache_jit.transfer import extents
+
+        for t in [*mla_dev3, pf_buf, *lf_refs[0], *lf_refs[1], *dev[0], *dev[1]]:
+            extents.register(t)
+    suite = {
         "routed MLA load, page_first": lambda: routed.transfer_hicache_one_layer_mla(
             page_size=64, cache_dst=mla_dev3[3], cache_src=data_refs[3], indices_dst=idx_gpu, indices_src=idx_gpu,
             element_dim=ROW),
@@ -142,7 +163,15 @@ def calls(ops, routed):
                                                                      host[0][0], host[1][0], idx_gpu),
         "MLA all-layer (LayerTable)": lambda: ops.transfer_all_layer(mla_dev, idx_gpu, mla_host, idx_gpu),
         "MHA all-layer (LayerTable)": lambda: ops.transfer_all_layer(mha_dev, idx_gpu, mha_host, idx_gpu),
+        "routed MLA backup, 2 tables": lambda refs=lf_refs: routed.transfer_kv_all_layer_mla(  # refs: registered
+            dev_ptrs, lf_ptrs[0], idx_gpu, idx_gpu, ROW, LAYERS),
+        "routed MHA backup, 4 tables": lambda: routed.transfer_kv_all_layer(
+            mha_dev_ptrs[0], lf_ptrs[0], mha_dev_ptrs[1], lf_ptrs[1], idx_gpu, idx_gpu, ROW, LAYERS),
     }
+    if pointer_tables is not None:
+        suite["pointer table, CUDA, cached"] = lambda: pointer_tables.checked(dev_ptrs, "table")
+        suite["pointer table, CPU, cached"] = lambda: pointer_tables.checked(cpu_table, "table")
+    return suite
 
 
 def add_arguments(p, name: str) -> None:
@@ -181,10 +210,11 @@ def run(args, out, name: str) -> int:
     labels = list(suites)
     print(f"{'us per call (best of ' + str(args.rounds) + ' rounds)':<30}" + "".join(f"{lb:>14}" for lb in labels)
           + ("   change" if len(labels) == 2 else ""))
-    for case in suites[labels[0]]:
-        best = [min(samples[label, case]) for label in labels]
-        change = f"   {best[1] / best[0] - 1:+.0%}" if len(best) == 2 else ""
-        print(f"{case:<30}" + "".join(f"{m:14.2f}" for m in best) + change)
+    for case in dict.fromkeys(case for suite in suites.values() for case in suite):
+        best = [min(samples[label, case]) if (label, case) in samples else None for label in labels]
+        change = f"   {best[1] / best[0] - 1:+.0%}" if len(best) == 2 and None not in best else ""
+        print(f"{case:<30}" + "".join("-".rjust(14) if m is None else f"{m:14.2f}" for m in best) + change)
         for label, value in zip(labels, best):
-            out.row(case=case, tree=label, us_per_call=value, rounds=args.rounds, calls=args.calls)
+            if value is not None:
+                out.row(case=case, tree=label, us_per_call=value, rounds=args.rounds, calls=args.calls)
     return 0

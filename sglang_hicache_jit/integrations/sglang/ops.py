@@ -26,8 +26,11 @@ saying no spares the GPU staging buffer the pools would otherwise allocate
 then call ``transfer_kv_all_layer*_lf_pf``, which the all-layer kernel
 writes straight into the page_first host buffer.
 
-The copy-engine fallback needs host-side addresses for pointer tables; it
-reads each table once (one device sync per table for the life of the pool).
+Pointer tables carry no size: every op that takes one finds the allocation
+each address lies in (``transfer/pointer_tables.py``), bounds each side's
+indices by it before anything is copied, and copies through the addresses that
+were checked (a CUDA table is read once, one device sync, and again only when
+torch sees it change; a CPU table is compared on every call).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch
 from . import announce
 from .. import compat
 from ... import settings
-from ...transfer import bounds, direct, ops, route
+from ...transfer import bounds, direct, ops, pointer_tables, route
 from ...transfer import layout as host_layout
 from ...transfer.abi import D2H_BLOCK_QUOTA
 from ...errors import BadSettingError
@@ -60,9 +63,10 @@ def kernel_available(element_size: int) -> bool:
 
 
 def reset() -> None:
-    """Forgets the per-row-size choices and the copy engines' plans (tests, or after a clean)."""
+    """Forgets the per-row-size choices, the copy engines' plans and the checked pointer tables (tests, or after
+    a clean)."""
     route.reset()
-    _table_values.clear()
+    pointer_tables.clear()
     with _stagings_lock:
         _stagings.clear()
 
@@ -75,37 +79,33 @@ def path_for(element_size: int) -> str:
 # ---------------------------------------------------------------------------
 # Copy-engine helpers.
 
-_table_values: dict = {}
-
-
-def _addresses(table: torch.Tensor) -> list[int]:
-    """The addresses in a per-layer pointer table, read once per table."""
-    key = id(table)
-    hit = _table_values.get(key)
-    if hit is not None and hit[0]() is table and hit[1] == table.data_ptr():
-        return hit[2]
-    values = [v & 0xFFFFFFFFFFFFFFFF for v in table.view(torch.int64).tolist()]
-    if len(_table_values) >= 256:
-        _table_values.clear()
-    _table_values[key] = (weakref.ref(table), table.data_ptr(), values)
-    return values
-
-
-def _raw_pairs(dst_table, src_table, dst_stride: int, src_stride: int, row_bytes: int, *, dst_rows=None,
-               src_rows=None) -> list:
-    """(dst, src) rows per layer of two pointer tables; a side's slot count where the caller knows it."""
-    device = (src_table if src_table.is_cuda else dst_table).device.index
-    return [(direct.Rows.at(d, dst_stride, row_bytes, device, dst_rows),
+def _raw_pairs(dst_table, src_table, dst_stride: int, src_stride: int, row_bytes: int, *, names: tuple,
+               dst_rows=None) -> list:
+    """(dst, src) rows per layer of two pointer tables (the arguments ``names``), each side bounded by the
+    rows its allocations hold (pointer_tables.py) and the destination by ``dst_rows`` where the caller knows it."""
+    dst, src = pointer_tables.checked(dst_table, names[0]), pointer_tables.checked(src_table, names[1])
+    if dst.count != src.count:
+        raise ValueError(f"{names[0]} has {dst.count} layers but {names[1]} has {src.count}; they must match")
+    rows = dst.rows(dst_stride, row_bytes, names[0])
+    if dst_rows is not None:
+        rows = min(rows, dst_rows)
+    device = src.device if src.device is not None else dst.device
+    src_rows = src.rows(src_stride, row_bytes, names[1])
+    return [(direct.Rows.at(d, dst_stride, row_bytes, device, rows),
              direct.Rows.at(s, src_stride, row_bytes, device, src_rows))
-            for d, s in zip(_addresses(dst_table), _addresses(src_table))]
+            for d, s in zip(dst.addresses, src.addresses)]
 
 
-def _copy(pairs, indices_dst, indices_src, *, page_size: int = 1, dst_rows=None, src_rows=None) -> None:
+def _copy(pairs, indices_dst, indices_src, *, page_size: int = 1, dst_rows=None, src_rows=None,
+          names: tuple = ("indices_dst", "indices_src")) -> None:
     """The copy engines (route.copy: planned once per index bytes, so the layers of one load share a plan),
-    after checking the indices once. ``dst_rows`` / ``src_rows``: a side's layout.TokenRows."""
+    after checking the indices once: integer tensors on the CPU or the pairs' GPU (bounds.py), ``names``
+    naming them. ``dst_rows`` / ``src_rows``: a side's layout.TokenRows."""
+    pairs = direct.Pairs(pairs)
+    bounds.check_index_tensor(names[0], indices_dst, pairs.device)
+    bounds.check_index_tensor(names[1], indices_src, pairs.device)
     direct.check_pair(indices_dst, indices_src)
-    route.copy(direct.Pairs(pairs), indices_dst, indices_src, page_size=page_size, dst_map=dst_rows,
-               src_map=src_rows)
+    route.copy(pairs, indices_dst, indices_src, page_size=page_size, dst_map=dst_rows, src_map=src_rows)
 
 
 def _view_rows(t: torch.Tensor, row_elems: int) -> torch.Tensor:
@@ -229,8 +229,10 @@ def transfer_hicache_all_layer(
                                           kv_cache_dst_stride_bytes=kv_cache_dst_stride_bytes, element_size=size,
                                           block_quota=block_quota)
         return
-    _copy(_raw_pairs(k_ptr_dst, k_ptr_src, kv_cache_dst_stride_bytes, kv_cache_src_stride_bytes, size)
-          + _raw_pairs(v_ptr_dst, v_ptr_src, kv_cache_dst_stride_bytes, kv_cache_src_stride_bytes, size),
+    _copy(_raw_pairs(k_ptr_dst, k_ptr_src, kv_cache_dst_stride_bytes, kv_cache_src_stride_bytes, size,
+                     names=("k_ptr_dst", "k_ptr_src"))
+          + _raw_pairs(v_ptr_dst, v_ptr_src, kv_cache_dst_stride_bytes, kv_cache_src_stride_bytes, size,
+                       names=("v_ptr_dst", "v_ptr_src")),
           indices_dst, indices_src)
 
 
@@ -255,16 +257,19 @@ def transfer_hicache_all_layer_mla(
                                               cache_dst_stride_bytes=cache_dst_stride_bytes, element_size=size,
                                               block_quota=block_quota)
         return
-    _copy(_raw_pairs(ptr_dst, ptr_src, cache_dst_stride_bytes, cache_src_stride_bytes, size), indices_dst,
-          indices_src)
+    _copy(_raw_pairs(ptr_dst, ptr_src, cache_dst_stride_bytes, cache_src_stride_bytes, size,
+                     names=("ptr_dst", "ptr_src")), indices_dst, indices_src)
 
 
-def _staged_pairs(ptr_src, dst, size) -> list:
+def _staged_pairs(ptr_src, dst, size, name: str) -> list:
     """(host layer rows, raw device rows) per layer of a staged write-back, for the copy engines."""
-    device = ptr_src.device.index
+    table = pointer_tables.checked(ptr_src, name)
+    if table.count != dst.shape[1]:
+        raise ValueError(f"{name} has {table.count} layers but the host buffer holds {dst.shape[1]}")
+    rows = table.rows(size, size, name)
     layers = dst.view(dst.shape[0], dst.shape[1], -1)
-    return [(layers[:, layer], direct.Rows.at(src, size, size, device))
-            for layer, src in enumerate(_addresses(ptr_src))]
+    return [(layers[:, layer], direct.Rows.at(src, size, size, table.device, rows))
+            for layer, src in enumerate(table.addresses)]
 
 
 def transfer_hicache_all_layer_staged_lf_pf(
@@ -288,8 +293,8 @@ def transfer_hicache_all_layer_staged_lf_pf(
                                                        staging_v, dst_k, dst_v, page_size=page_size,
                                                        element_size=size, block_quota=block_quota)
         return
-    _copy(_staged_pairs(k_ptr_src, dst_k, size) + _staged_pairs(v_ptr_src, dst_v, size),
-          dst_indices, src_indices)
+    _copy(_staged_pairs(k_ptr_src, dst_k, size, "k_ptr_src") + _staged_pairs(v_ptr_src, dst_v, size, "v_ptr_src"),
+          dst_indices, src_indices, names=("dst_indices", "src_indices"))
 
 
 def transfer_hicache_all_layer_mla_staged_lf_pf(
@@ -310,7 +315,8 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(
                                                            page_size=page_size, element_size=size,
                                                            block_quota=block_quota)
         return
-    _copy(_staged_pairs(ptr_src, dst, size), dst_indices, src_indices)
+    _copy(_staged_pairs(ptr_src, dst, size, "ptr_src"), dst_indices, src_indices,
+          names=("dst_indices", "src_indices"))
 
 
 HICACHE_OPS = (
@@ -356,7 +362,7 @@ def _one_layer(pairs_kv: list, indices_dst, indices_src, item_size: int, block_q
             (kd, ks), (vd, vs) = pairs_kv
             ops.transfer_one_layer(kd, vd, indices_dst, ks, vs, indices_src, block_quota=block_quota)
         return
-    _copy(pairs_kv, indices_dst, indices_src)
+    _copy(pairs_kv, indices_dst, indices_src, names=("dst_indices", "src_indices"))
 
 
 def _packed_rows(t: torch.Tensor, item_size: int, name: str) -> torch.Tensor:
@@ -402,9 +408,10 @@ def transfer_kv_per_layer_mla_pf_lf(src, dst, src_indices, dst_indices, layer_id
 
 
 def _all_layers(dst_tables, src_tables, indices_dst, indices_src, *, dst_stride, src_stride, item_size,
-                block_quota, dst_rows=None) -> None:
-    """``dst_rows``: the destination's slot count where the caller holds it as a tensor (the host
-    buffer of a page_first write-back), so that both paths check indices_dst against it."""
+                block_quota, names: tuple, dst_rows=None) -> None:
+    """``names``: the tables' argument names, (destination names, source names); ``dst_rows``: the
+    destination's slot count where the caller holds it as a tensor (the host buffer of a page_first
+    write-back), so that both paths check indices_dst against it, besides its allocations."""
     # SGLang's all-layer ops are its backups, into host memory: the kernel's default there (as upstream's)
     # is the CTA budget with the most link per point of matmul slowdown (transfer/abi.py, D2H_BLOCK_QUOTA).
     if block_quota is None:
@@ -413,12 +420,12 @@ def _all_layers(dst_tables, src_tables, indices_dst, indices_src, *, dst_stride,
         ops.transfer_pointer_tables(dst_tables if len(dst_tables) > 1 else dst_tables[0], indices_dst,
                                     src_tables if len(src_tables) > 1 else src_tables[0], indices_src,
                                     dst_stride_bytes=dst_stride, src_stride_bytes=src_stride, element_size=item_size,
-                                    block_quota=block_quota, dst_rows=dst_rows)
+                                    block_quota=block_quota, dst_rows=dst_rows, names=names)
         return
     pairs = []
-    for d, s in zip(dst_tables, src_tables):
-        pairs += _raw_pairs(d, s, dst_stride, src_stride, item_size, dst_rows=dst_rows)
-    _copy(pairs, indices_dst, indices_src)
+    for d, s, dst_name, src_name in zip(dst_tables, src_tables, *names):
+        pairs += _raw_pairs(d, s, dst_stride, src_stride, item_size, names=(dst_name, src_name), dst_rows=dst_rows)
+    _copy(pairs, indices_dst, indices_src, names=("dst_indices", "src_indices"))
 
 
 def _check_layers(num_layers, *tables) -> None:
@@ -434,14 +441,15 @@ def transfer_kv_all_layer(src_k_layers, dst_k_layers, src_v_layers, dst_v_layers
                           item_size, num_layers, block_quota=None, num_warps_per_block=32):
     _check_layers(num_layers, src_k_layers, dst_k_layers, src_v_layers, dst_v_layers)
     _all_layers((dst_k_layers, dst_v_layers), (src_k_layers, src_v_layers), dst_indices, src_indices,
-                dst_stride=item_size, src_stride=item_size, item_size=item_size, block_quota=block_quota)
+                dst_stride=item_size, src_stride=item_size, item_size=item_size, block_quota=block_quota,
+                names=(("dst_k_layers", "dst_v_layers"), ("src_k_layers", "src_v_layers")))
 
 
 def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers,
                               block_quota=None, num_warps_per_block=32):
     _check_layers(num_layers, src_layers, dst_layers)
     _all_layers((dst_layers,), (src_layers,), dst_indices, src_indices, dst_stride=item_size, src_stride=item_size,
-                item_size=item_size, block_quota=block_quota)
+                item_size=item_size, block_quota=block_quota, names=(("dst_layers",), ("src_layers",)))
 
 
 _stagings: dict = {}  # staging.PageStaging per (host buffers, device pointer tables), for page_first backups
@@ -453,11 +461,22 @@ def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, ite
     """A page_first backup through the device staging area (transfer/staging.py: a gather by the kernel, then
     flat copies of whole pages on the copy engines), where route.routed_stages says it applies and the budget
     holds a token; False: the caller copies rows."""
+    if isinstance(dst_indices, torch.Tensor) and isinstance(src_indices, torch.Tensor) and (
+            dst_indices.is_cuda or src_indices.is_cuda):
+        return False  # the kernel's backup, whose launch checks them
+    device = src_tables[0].device.index if src_tables[0].is_cuda else None
+    bounds.check_index_tensor("dst_indices", dst_indices, device)  # before the staging area reads them as int64
+    bounds.check_index_tensor("src_indices", src_indices, device)
     if not route.routed_stages(num_layers=num_layers, layout_dim=layout_dim, item_size=item_size,
                                indices=(dst_indices, src_indices), hosts=hosts, before_probe=announce.flush):
         return False
+    # The device rows every layer's allocation holds: the staging area checks src_indices against them.
+    device_rows = min(pointer_tables.checked(t, name).rows(item_size, item_size, name)
+                      for t, name in zip(src_tables, ("src_k_layers", "src_v_layers") if len(src_tables) > 1
+                                         else ("src_layers",)))
     budget = settings.staging_bytes()
-    key = tuple(h.data_ptr() for h in hosts) + tuple(t.data_ptr() for t in src_tables) + (item_size, num_layers)
+    key = (tuple(h.data_ptr() for h in hosts) + tuple(t.data_ptr() for t in src_tables)
+           + (item_size, num_layers, device_rows))
     with _stagings_lock:
         entry = _stagings.get(key)
         if entry is None or entry[0]() is not hosts[0] or entry[1] != budget:
@@ -469,7 +488,7 @@ def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, ite
                 # As bytes: the staging area only needs whole tokens of num_layers rows of item_size bytes.
                 area = staging.PageStaging([h.view(torch.uint8).view(-1, num_layers, item_size) for h in hosts],
                                            budget_bytes=budget,
-                                           device=src_tables[0].device, device_rows=1 << 62,
+                                           device=src_tables[0].device, device_rows=device_rows,
                                            gather=staging.pointer_table_gather(src_tables, item_size))
             except ValueError:  # no budget for a token (SGLANG_HICACHE_JIT_STAGING=0 turns staging off)
                 area = None
@@ -491,7 +510,8 @@ def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_in
     tables = (compat.host_layer_table(dst_k, num_layers, item_size, device),
               compat.host_layer_table(dst_v, num_layers, item_size, device))
     _all_layers(tables, (src_k_layers, src_v_layers), dst_indices, src_indices, dst_stride=dst_layout_dim,
-                src_stride=item_size, item_size=item_size, block_quota=block_quota, dst_rows=slots)
+                src_stride=item_size, item_size=item_size, block_quota=block_quota, dst_rows=slots,
+                names=(("dst_k", "dst_v"), ("src_k_layers", "src_v_layers")))
 
 
 def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim,
@@ -502,7 +522,7 @@ def transfer_kv_all_layer_mla_lf_pf(src_layers, dst, src_indices, dst_indices, i
         return
     table = compat.host_layer_table(dst, num_layers, item_size, src_layers.device)
     _all_layers((table,), (src_layers,), dst_indices, src_indices, dst_stride=dst_layout_dim, src_stride=item_size,
-                item_size=item_size, block_quota=block_quota, dst_rows=slots)
+                item_size=item_size, block_quota=block_quota, dst_rows=slots, names=(("dst",), ("src_layers",)))
 
 
 def _page_first_slots(num_layers: int, item_size: int, layout_dim: int, **buffers) -> int:
@@ -582,7 +602,7 @@ def _page_head_copy(pairs, host_idx, device_idx, *, host_is_dst: bool, item_size
         for dst, src in pairs:
             ops.transfer_one_layer_mla(dst, indices_dst, src, indices_src, block_quota=block_quota)
         return
-    _copy(pairs, indices_dst, indices_src)
+    _copy(pairs, indices_dst, indices_src, names=("dst_indices", "src_indices"))
 
 
 def transfer_kv_per_layer_ph_lf(src_k, dst_k, src_v, dst_v, src_indices, dst_indices, layer_id, item_size,
@@ -612,20 +632,22 @@ def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_in
             raise ValueError(f"num_layers={num_layers} but {name} holds {layers} layers (shape {tuple(host.shape)})")
         pages.add(host_pages)
     head_bytes = item_size // head_num
-    device = src_k_layers.device.index
     # The smaller buffer's pages bound both: a token past it is refused, not written past its end.
     rows = _page_head_rows("dst_indices", dst_indices, page_size, head_num, num_layers, min(pages))
     pairs = []
-    for host, table in ((dst_k, src_k_layers), (dst_v, src_v_layers)):
+    for host, table, name in ((dst_k, src_k_layers, "src_k_layers"), (dst_v, src_v_layers, "src_v_layers")):
         flat = host.view(-1, head_bytes // host.element_size())
-        for layer, address in enumerate(_addresses(table)):
+        table = pointer_tables.checked(table, name)
+        # Every head's piece lies inside its token's row: the rows that hold whole rows bound them all.
+        device_rows = table.rows(item_size, item_size, name)
+        for layer, address in enumerate(table.addresses):
             span = flat.shape[0] - ((head_num - 1) * page_size * num_layers + layer)
             for h in range(head_num):
                 base = h * page_size * num_layers + layer
                 pairs.append((flat[base:base + span], direct.Rows.at(address + h * head_bytes, item_size, head_bytes,
-                                                                     device)))
+                                                                     table.device, device_rows)))
     # Raw device rows: the copy engines serve this layout whatever the probe says.
-    _copy(pairs, rows, src_indices)
+    _copy(pairs, rows, src_indices, names=("dst_indices", "src_indices"))
 
 
 # The direct ops: upstream moves runs of page_size tokens with cudaMemcpyAsync.
@@ -645,7 +667,7 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
     if len(src_layers) != len(dst_layers):
         raise ValueError(f"src_layers has {len(src_layers)} tensors but dst_layers has {len(dst_layers)}")
     _copy([(_rows_of(d), _rows_of(s)) for d, s in zip(dst_layers, src_layers)], dst_indices, src_indices,
-          page_size=page_size)
+          page_size=page_size, names=("dst_indices", "src_indices"))
 
 
 def _rows_of(t: torch.Tensor) -> torch.Tensor:
@@ -676,7 +698,8 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
     for i, (host, dev) in enumerate(zip(src_ptrs, dst_ptrs)):
         flat, to_rows, rows_per_page = page_first_direct_rows(host, layer_id, f"src_ptrs[{i}]", "src_indices")
         pairs.append((_rows_of(dev), flat))
-    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, src_rows=to_rows)
+    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, src_rows=to_rows,
+          names=("dst_indices", "src_indices"))
 
 
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
@@ -690,7 +713,8 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
         for layer in range(layers_per_buffer):
             flat, to_rows, rows_per_page = page_first_direct_rows(host, layer, f"dst_ptrs[{b}]", "dst_indices")
             pairs.append((flat, _rows_of(src_ptrs[b * layers_per_buffer + layer])))
-    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, dst_rows=to_rows)
+    _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, dst_rows=to_rows,
+          names=("dst_indices", "src_indices"))
 
 
 KVCACHEIO_OPS = (

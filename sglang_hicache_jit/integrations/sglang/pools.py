@@ -32,10 +32,13 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
+
+import torch
 
 from . import announce
 from . import ops as routed
-from ...transfer import direct, ops, route
+from ...transfer import direct, extents, ops, route
 from .matching import needs
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,52 @@ def _lacks(self, hook) -> bool:
     return True
 
 
+# ---------------------------------------------------------------------------
+# The buffers behind the pools' pointer tables.
+#
+# SGLang's all-layer ops take per-layer address tables that carry no size (``data_ptrs``,
+# ``k_data_ptrs``, ``device_data_ptrs``, ...). Each pool builds them from per-layer tensors it keeps, so
+# registering those (transfer/extents.py) lets the routed ops bound every index by one layer of one
+# pool, where the CUDA allocation alone (a cudaHostRegister'd host buffer of all layers, a segment of
+# torch's allocator) would let an index past a layer reach the next layer's rows. Only lists of
+# per-layer tensors are registered: the pools' whole buffers and their column views (an MLA pool's
+# ``k_buffer``) would bound a layer too loosely or too tightly.
+HOST_POOL_LAYER_LISTS = ("data_refs", "k_data_refs", "v_data_refs", "index_k_data_refs", "device_kv_buffers",
+                         "device_k_buffers", "device_v_buffers", "packed_device_kv_buffers",
+                         "packed_device_k_buffers", "packed_device_v_buffers", "packed_device_index_buffers")
+DEVICE_POOL_LAYER_LISTS = ("kv_buffer", "k_buffer", "v_buffer", "index_k_with_scale_buffer")
+_registered: dict = {}  # id(pool) -> weak reference to it: pools whose buffers a transfer registered
+
+
+def register_pool(pool, names=HOST_POOL_LAYER_LISTS, *, again: bool = False) -> None:
+    """Registers the per-layer tensors of ``pool`` held in its list attributes ``names`` (and those of the
+    device pool it keeps, if any): once per pool, or ``again`` (after the pool set up its transfer views).
+    Reads only what it finds; never raises."""
+    if pool is None:
+        return
+    hit = _registered.get(id(pool))
+    if hit is not None and hit() is pool and not again:
+        return
+    try:
+        ref = weakref.ref(pool)
+    except TypeError:  # a class without weak references: kept, as pools live as long as the process
+        ref = lambda: pool  # noqa: E731
+    try:
+        for name in names:
+            layers = getattr(pool, name, None)
+            if isinstance(layers, (list, tuple)):
+                for i, layer in enumerate(layers):
+                    if isinstance(layer, torch.Tensor) and layer.layout == torch.strided and not layer.is_meta:
+                        extents.register(layer, f"{type(pool).__name__}.{name}[{i}]")
+        if names is HOST_POOL_LAYER_LISTS:
+            register_pool(getattr(pool, "device_pool", None), DEVICE_POOL_LAYER_LISTS, again=again)
+        if len(_registered) >= 256:
+            _registered.clear()
+        _registered[id(pool)] = ref
+    except Exception as exc:  # a registration must never break a pool: its tables are then bounded by CUDA
+        log.debug("sglang-hicache-jit: could not register the buffers of %s: %s", type(pool).__name__, exc)
+
+
 def _normalized(layout: str, io_backend: str):
     """(io_backend the pool method can run, whether to hold it to the copy engines)."""
     if io_backend == "direct" and layout == "page_first":
@@ -71,6 +120,8 @@ def _normalized(layout: str, io_backend: str):
 
 
 def _run(original, self, args, io_backend, kwargs):
+    register_pool(self)
+    register_pool(args[0], DEVICE_POOL_LAYER_LISTS)  # the device pool these methods take
     backend, engines_only = _normalized(self.layout, io_backend)
     if engines_only:
         with route.copy_engines_only():
@@ -245,6 +296,7 @@ def describe_pool(result, self, *args, **kwargs):
     """AFTER hook on a pool's transfer setup: the plugin's start line (once per process, see announce.py)
     and one INFO line with the path each io_backend takes for this pool. Reads only what it finds."""
     announce.flush()
+    register_pool(self, again=True)  # the pool's transfer views are set up now
     try:
         row_bytes = _row_bytes_of(self)
         layout = getattr(self, "layout", "?")
