@@ -55,12 +55,28 @@ def _expect(direct_mode=None):
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_matrix_on_gpu(layout, io_backend, kind, sharded, page_size, row_bytes):
+    """``direct`` here is the copy engines themselves (their batched submission named, so copies under
+    route.SMALL_COPY_BYTES do not take the one-CTA kernel; test_direct_small_copies_take_a_one_cta_kernel)."""
+    mode = "batch" if io_backend == "direct" and direct.batch_status()[0] else None
     pool = round_trip(kind, layout, page_size, row_bytes, sharded, io_backend, device="cuda",
-                      seed=_seed(layout, io_backend, kind, sharded, page_size, row_bytes), configure=_expect())
+                      seed=_seed(layout, io_backend, kind, sharded, page_size, row_bytes), configure=_expect(mode))
     ops.check_errors()
     if io_backend == "direct":
         expected = "batch" if direct.batch_status()[0] else "2d"
         assert pool.last_direct_mode == expected, direct.batch_status()[1]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_direct_small_copies_take_a_one_cta_kernel(layout, kind, page_size):
+    """io_backend='direct' with the submission left to 'auto': copies under route.SMALL_COPY_BYTES (one row of
+    page_first, pages of 1 or 16 tokens) run on the kernel with one CTA, bit for bit (round_trip checks every
+    row), and say so (last_direct_mode None: no copy-engine submission ran)."""
+    pool = round_trip(kind, layout, page_size, 1152, False, "direct", device="cuda",
+                      seed=_seed("small", layout, kind, page_size), configure=_expect())
+    ops.check_errors()
+    assert pool._path("direct", "load", torch.zeros(4, dtype=torch.int64)) == "kernel-small"
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["all-layers", "sharded"])

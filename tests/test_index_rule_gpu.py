@@ -116,6 +116,7 @@ def _pools(kind, layout, *, page=4, slots=64, layers=3):
 def test_host_pool_direct_transfers_refuse_wrapping_device_pages(kind, layout):
     """Before: 12 cases through the pools' direct loads wrote rows before the device layers."""
     guarded, device, pool = _pools(kind, layout)
+    pool.direct_mode = "batch"  # the copy engines themselves (by default copies this small take a one-CTA kernel)
     host_before = pool.kv_buffer.clone()
     device_idx = torch.tensor([TOP - 3, TOP - 2, TOP - 1, TOP])  # a whole page of 4 ending at 2**63 - 1
     with pytest.raises(TransferIndexError, match="indices_dst"):
@@ -249,7 +250,7 @@ def test_zero_size_transfers_are_no_ops(op, to_device, indices_on, method):
 _UNREGISTER = textwrap.dedent("""
     import torch
     from sglang_hicache_jit import ops
-    from sglang_hicache_jit.transfer import direct
+    from sglang_hicache_jit.transfer import cuda, direct
 
     runtime = cuda.cuda_runtime()
     pinned = torch.empty((8, 64), dtype=torch.uint8, pin_memory=True)  # cudaHostAlloc

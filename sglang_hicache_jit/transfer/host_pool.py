@@ -260,7 +260,8 @@ class HostKVPool:
             self.layout, layers=self.layer_num, pinned=self.pin_memory, budget_bytes=self.staging_bytes,
             page_bytes=self.page_size * self.layer_num * self.row_bytes * self.num_caches)
         return route.io_path(io_backend, operation, pool_path=self.transfer_path, copy_bytes=self.copy_bytes,
-                             device_indices=device_indices, layout=self.layout, staged=staged)
+                             device_indices=device_indices, layout=self.layout, staged=staged,
+                             direct_mode=self.direct_mode)
 
     def _layer(self, layer_id) -> int:
         try:

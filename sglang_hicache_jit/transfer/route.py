@@ -156,17 +156,18 @@ def auto_path(operation: str, *, kernel_ok: bool, copy_bytes: int = 0, indices_o
 
 
 def io_path(io_backend, operation: str, *, pool_path: str, copy_bytes: int, device_indices=None,
-            layout: str = "page_first", staged: bool = False) -> str:
+            layout: str = "page_first", staged: bool = False, direct_mode: str = "auto") -> str:
     """What a host pool built for ``pool_path`` runs for ``io_backend``: 'kernel', 'resident', 'direct' or
     'kernel-small' (the kernel at SMALL_COPY_CTAS CTAs).
 
-    'direct' takes the copy engines, except copies under SMALL_COPY_BYTES where the kernel works (a backup
-    the pool stages, ``staged``, moves whole host pages and stays on the copy engines); 'kernel' the pool's
+    'direct' takes the copy engines, except copies under SMALL_COPY_BYTES where the kernel works and the copy
+    engines' submission is left to 'auto' (``direct_mode``: a pool told to submit its copies one way means the
+    copy engines; a backup the pool stages, ``staged``, moves whole host pages and stays on them); 'kernel' the pool's
     path (the copy engines where the kernel does not work, logged at construction; never an error);
     'resident' the kernel's resident method where the kernel works; 'auto' ``auto_path``."""
     kernel_ok = pool_path == "kernel"
     if io_backend == "direct":
-        small = copy_bytes < SMALL_COPY_BYTES and not (operation == "backup" and staged)
+        small = copy_bytes < SMALL_COPY_BYTES and direct_mode == "auto" and not (operation == "backup" and staged)
         return "kernel-small" if kernel_ok and small else "direct"
     if io_backend == "kernel":
         return pool_path
