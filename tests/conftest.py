@@ -21,6 +21,12 @@ from pathlib import Path
 
 import pytest
 
+# One CPU thread for torch, here and in every child a test starts (they inherit the environment): the
+# tests' tensors are small, and on a 2-core machine whose cores are busy with other work, torch's
+# OpenMP threads waiting for each other made tests/test_host_pool.py and test_bench_harness.py take
+# 112 s instead of 42 s (two `yes` processes beside them). Read by torch at import, so set before it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
