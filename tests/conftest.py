@@ -9,14 +9,14 @@
 
 Every test session gets its own cache root (SGLANG_HICACHE_JIT_CACHE_DIR), so
 tests never touch a user's cache; one build of the kernels is shared by all
-tests of the session. Nothing is written into the checkout: hypothesis keeps
-its files in the temporary directory, not in ./.hypothesis (pyproject.toml
-also turns off pytest's cache and pytest-benchmark's .benchmarks).
+tests of the session. Nothing is written into the checkout, nor into the shared
+temporary directory outside pytest's own base temp: hypothesis keeps its files
+there (hypothesis_home), not in ./.hypothesis (pyproject.toml also turns off
+pytest's cache and pytest-benchmark's .benchmarks).
 """
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,14 +30,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
-
-try:
-    from hypothesis.configuration import set_hypothesis_home_dir
-except ImportError:  # only test_host_pool.py needs hypothesis
-    pass
-else:
-    # Its example database and its other caches (not only the database setting) live under this directory.
-    set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), f"sglang-hicache-jit-hypothesis-{os.getuid()}"))
 
 
 def _has_gpu() -> bool:
@@ -61,6 +53,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "build" in item.keywords and not toolkit:
             item.add_marker(pytest.mark.skip(reason="needs the CUDA toolkit (nvcc)"))
+
+
+def hypothesis_home(tmp_path_factory) -> Path:
+    """Where hypothesis keeps its example database and caches: inside pytest's base temp directory, which
+    pytest makes private to this user (0700, its owner checked) and new for each run. Never a fixed name
+    in the shared temp directory, where another user could have planted a symbolic link or a
+    world-writable directory first."""
+    return tmp_path_factory.getbasetemp() / "hypothesis"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hypothesis_in_pytests_temp_dir(tmp_path_factory):
+    """Before any test runs (hypothesis writes only when a test runs), not ./.hypothesis in the checkout."""
+    try:
+        from hypothesis.configuration import set_hypothesis_home_dir
+    except ImportError:  # only test_host_pool.py needs hypothesis
+        return
+    set_hypothesis_home_dir(str(hypothesis_home(tmp_path_factory)))
 
 
 @pytest.fixture(scope="session", autouse=True)
