@@ -73,6 +73,27 @@ def _hypothesis_in_pytests_temp_dir(tmp_path_factory):
     set_hypothesis_home_dir(str(hypothesis_home(tmp_path_factory)))
 
 
+def pytest_collection_finish(session):
+    """Says so before a run that will download the recorded SGLang releases' wheels (the slow release
+    tests: about 1.5 GB the first time), instead of a silent wait; shown with -q too."""
+    modules = {item.module.__name__ for item in session.items if "slow" in item.keywords and item.module}
+    if not modules & {"test_sglang_releases", "test_sglang_log_lines", "test_sglang_integration", "test_sglang_plan"}:
+        return
+    try:
+        import release_kit
+
+        root = Path(os.environ.get("SGLANG_HICACHE_JIT_TEST_RELEASES")  # release_kit.cache_root(), not made here
+                    or os.path.expanduser("~/.cache/sglang-hicache-jit-tests"))
+        missing = [v for v in release_kit.recorded() if not list(root.glob(f"sglang-{v}-*/.complete"))]
+    except Exception:  # a broken cache or record is for the tests themselves to report
+        return
+    if missing:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"sglang-hicache-jit: the SGLang release tests download {len(missing)} recorded "
+                                f"release wheel(s) with pip (about 1.5 GB for all of them, once) into {root}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_cache(tmp_path_factory):
     """A private cache root for the whole session (kept unless the caller named one)."""
