@@ -63,14 +63,20 @@ def hypothesis_home(tmp_path_factory) -> Path:
     return tmp_path_factory.getbasetemp() / "hypothesis"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _hypothesis_in_pytests_temp_dir(tmp_path_factory):
-    """Before any test runs (hypothesis writes only when a test runs), not ./.hypothesis in the checkout."""
+@pytest.hookimpl(trylast=True)  # after pytest's tmpdir plugin has made config._tmp_path_factory
+def pytest_configure(config):
+    """Before collection: hypothesis' pytest plugin writes its constants cache while the tests are
+    collected (its home is ./.hypothesis, in the checkout, unless set)."""
     try:
         from hypothesis.configuration import set_hypothesis_home_dir
     except ImportError:  # only test_host_pool.py needs hypothesis
         return
-    set_hypothesis_home_dir(str(hypothesis_home(tmp_path_factory)))
+    factory = getattr(config, "_tmp_path_factory", None)  # tmp_path_factory's object (pytest's tmpdir plugin)
+    if factory is None:
+        from _pytest.tmpdir import TempPathFactory
+
+        factory = TempPathFactory.from_config(config, _ispytest=True)
+    set_hypothesis_home_dir(str(hypothesis_home(factory)))
 
 
 def pytest_collection_finish(session):
