@@ -143,6 +143,8 @@ def test_same_size_corruption_is_rebuilt_by_load_kernels(tmp_path):
 def test_failed_build_is_remembered_until_cleaned(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(spec_module, "CUDA_FLAGS", spec_module.CUDA_FLAGS + ("--no-such-nvcc-flag",))
+    # The binding's compile fails at once too, instead of compiling for a second beside the failed nvcc steps.
+    monkeypatch.setattr(spec_module, "CXX_FLAGS", spec_module.CXX_FLAGS + ("--no-such-cxx-flag",))
     archs = parse_arch_list(ARCH)
     with pytest.raises(BuildFailedError) as first:
         ensure_built(archs)

@@ -218,7 +218,7 @@ def test_runner_stops_the_whole_process_group_at_the_deadline(tmp_path):
             f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
     start = time.monotonic()
     outcomes = runner.run([runner.Job("engine", [sys.executable, "-c", code], timeout=60, expect=0.1),
-                           _job("late", 0.1, expect=5.0)], parallel=1, deadline=start + 2.0, log_dir=tmp_path,
+                           _job("late", 0.1, expect=5.0)], parallel=1, deadline=start + 1.2, log_dir=tmp_path,
                           poll=0.05)
     assert [o.status for o in outcomes] == ["deadline", "not started"]
     grandchild = int(pid_file.read_text())
