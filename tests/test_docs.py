@@ -157,3 +157,18 @@ def test_every_bench_provider_in_cli_md_is_taken_and_in_bench_help(capsys):
             word = part.rstrip("0123456789")
             if len(word) > 1:  # method and variant words: resident, plain, bulk, batch3d, 2d, reg, tma
                 assert f"-{part}" in help_text or f"-{word}" in help_text or f"|{word}" in help_text, (name, help_text)
+
+
+def test_the_warm_load_target_is_one_number_in_the_bench_the_docs_and_the_test():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_loader", ROOT / "tools" / "benchmarks" / "loader.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    target = f"{bench.WARM_TARGET_MS:g} ms"
+    source = (ROOT / "tools" / "benchmarks" / "loader.py").read_text()
+    assert "target < 5 ms" not in source and source.count("target < {WARM_TARGET_MS} ms") == 2
+    warm_path = (ROOT / "tests" / "test_warm_path.py").read_text()
+    assert f"under {target} on a 2-core machine" in warm_path
+    benchmarks = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    assert f"Target: **under {target}** median" in benchmarks
