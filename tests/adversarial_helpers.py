@@ -21,7 +21,12 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to act as
 _AS_USER = """
 import os, sys
 import ctypes, json, pwd, tarfile, tempfile, shutil, gzip, zlib, decimal, hashlib  # noqa
-import torch, filelock, platformdirs  # noqa
+import filelock, platformdirs, sysconfig  # noqa
+sysconfig.get_config_vars()  # the cache key's SOABI: read from a module of the (perhaps private) stdlib
+# torch (1.5 s of each child) only where the command loads a library or reads torch's facts at run time;
+# one that imports it late as that user fails with PermissionError where the interpreter is private.
+if sys.argv[2] in ("check", "info", "bench", "demo") or (sys.argv[2] == "-c" and "torch" in sys.argv[3]):
+    import torch  # noqa
 import sglang_hicache_jit.cli, sglang_hicache_jit.buildcache.loader, sglang_hicache_jit.buildcache.doctor  # noqa
 import sglang_hicache_jit.buildcache.bundle, sglang_hicache_jit.buildcache.prune, sglang_hicache_jit.buildcache.remote  # noqa
 import sglang_hicache_jit.bench.command  # noqa  (the CLI's parser holds bench's options)

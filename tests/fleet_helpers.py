@@ -85,6 +85,41 @@ NO_COMPILER_LOAD = (
 )
 
 
+# What only a build needs: a warm load must import none of it. Importing filelock alone took 65-80 ms on a
+# 2-core machine, platformdirs ~2.7 ms and torch.utils.cpp_extension far more.
+BUILD_ONLY = ("filelock", "platformdirs", "torch.utils.cpp_extension", "sglang_hicache_jit.buildcache.build",
+              "sglang_hicache_jit.buildcache.prune", "sglang_hicache_jit.buildcache.remote",
+              "sglang_hicache_jit.buildcache.bundle")
+
+# A fresh process, after `import torch`: `import sglang_hicache_jit` through load_kernels('9.0'), refusing any
+# subprocess. argv[1]: 'fake' replaces the dlopen (a fake library is random bytes), 'real' loads for real
+# and checks the library's op namespace and the C entry points ops.py calls through ctypes.
+WARM_LOAD = f"""
+import json, subprocess, sys, torch
+def refuse(*a, **k): raise AssertionError("a subprocess was started on the warm path")
+subprocess.Popen.__init__ = refuse
+before = set(sys.modules)
+import sglang_hicache_jit
+if sys.argv[1] == "fake":
+    from sglang_hicache_jit.buildcache import loader
+    loader._dlopen = lambda fd, entry: None
+lib = sglang_hicache_jit.load_kernels("9.0")
+if sys.argv[1] == "real":
+    assert hasattr(lib.ops, "transfer"), lib
+    for name in ("hicache_transfer_launch", "hicache_resident_create", "hicache_resident_submit",
+                 "hicache_resident_stats", "hicache_resident_destroy"):
+        assert hasattr(lib.handle, name), name
+print(json.dumps({{"path": str(lib.path), "imported": [m for m in {BUILD_ONLY!r} if m in set(sys.modules) - before]}}))
+"""
+
+
+def warm_load(env: dict, mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", WARM_LOAD, mode], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def load_without_compiler(env: dict) -> dict:
     out = subprocess.run([sys.executable, "-c", NO_COMPILER_LOAD], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=120)

@@ -1,9 +1,11 @@
 """Adversarial: hangs. Every command runs in a subprocess with a timeout: a hang fails
 the test instead of wedging the suite."""
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,11 +24,10 @@ def _run(*args, env):
         pytest.fail(f"`sglang-hicache-jit {' '.join(args)}` hung for {TIMEOUT} s")
 
 
-@pytest.fixture
-def fifo_cache(tmp_path):
+def _fifo_cache(root) -> BuildCache:
     """A cache whose entry (the exact key of this machine's toolkit) has a FIFO for a manifest."""
     toolkit = find_toolkit()
-    cache = BuildCache(tmp_path / "cache")
+    cache = BuildCache(root)
     entry = fake_entry(cache, toolkit=toolkit.identity) if toolkit else fake_entry(cache)
     other = fake_entry(cache, toolkit="cuda-13.0-nvccOTHER")  # a same-ABI entry: found by find_abi's listing
     for path in (entry.path, other.path):
@@ -35,26 +36,91 @@ def fifo_cache(tmp_path):
     return cache
 
 
-@pytest.mark.parametrize("args", [("check", "--arch", "9.0", "--no-build"), ("info",), ("info", "--json"),
-                                  ("prune",), ("prewarm", "--arch", "9.0"), ("doctor", "--arch", "9.0"),
-                                  ("export", "--arch", "9.0", "-o", "OUT")])
-def test_a_fifo_for_a_manifest_does_not_hang(fifo_cache, tmp_path, args):
-    # CXX=/bin/false: where the entry is (rightly) found corrupt, prewarm and export stop at the compiler
-    # check instead of compiling for 10 s.
-    args = tuple(str(tmp_path / "b.tar.gz") if a == "OUT" else a for a in args)
-    out = _run(*args, env=cli_env(fifo_cache.root, CXX="/bin/false"))
-    assert "Traceback" not in out.stderr, out.stderr
+FIFO_COMMANDS = [("check", "--arch", "9.0", "--no-build"), ("info",), ("info", "--json"), ("prune",),
+                 ("prewarm", "--arch", "9.0"), ("doctor", "--arch", "9.0"), ("export", "--arch", "9.0", "-o", "OUT")]
+
+# One child runs every command of FIFO_COMMANDS through the CLI's main(), and load_kernels(build=False),
+# each on a cache of its own, with its stdout and stderr in files of its own: one torch import instead of
+# eight (8-12 s of the default set). A hang makes faulthandler write the stack to that command's stderr
+# file and end the child, which the fixture then starts again for the commands after it.
+FIFO_CHILD = r"""
+import faulthandler, json, os, sys, traceback
+from sglang_hicache_jit.cli import main
+from sglang_hicache_jit.buildcache import loader
+jobs = json.loads(sys.argv[1])
+for job in jobs:
+    os.environ["SGLANG_HICACHE_JIT_CACHE_DIR"] = job["cache"]
+    sys.stdout.flush(); sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(job["out"], "wb") as out, open(job["err"], "wb") as err:
+        os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+        faulthandler.dump_traceback_later(float(sys.argv[2]), exit=True)
+        try:
+            if job["args"] == ["load_kernels"]:
+                try:
+                    loader.load_kernels("9.0", build=False)
+                except Exception as exc:
+                    print(type(exc).__name__, getattr(exc, "code", ""))
+                code = 0
+            else:
+                code = main(job["args"])
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException:
+            traceback.print_exc()
+            code = "exception"
+        faulthandler.cancel_dump_traceback_later()
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+    os.close(saved[0]); os.close(saved[1])
+    with open(job["done"], "w") as done:
+        done.write(json.dumps(code))
+"""
 
 
-def test_load_kernels_with_a_fifo_manifest_does_not_hang(fifo_cache):
-    code = "from sglang_hicache_jit.buildcache import loader\ntry:\n    loader.load_kernels('9.0', build=False)\n" \
-           "except Exception as exc:\n    print(type(exc).__name__, getattr(exc, 'code', ''))\n"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], env=cli_env(fifo_cache.root), cwd=ROOT,
-                             capture_output=True, text=True, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pytest.fail("load_kernels hung on a FIFO manifest")
-    assert "NotBuiltError not_built" in out.stdout, out.stdout + out.stderr
+@pytest.fixture(scope="module")
+def fifo_runs(tmp_path_factory):
+    """Each command of FIFO_COMMANDS (and load_kernels) run on a FIFO-manifest cache of its own: by args,
+    (exit code or None when not run, stdout, stderr)."""
+    base = tmp_path_factory.mktemp("fifo")
+    jobs = []
+    for i, args in enumerate(FIFO_COMMANDS + [("load_kernels",)]):
+        args = [str(base / f"b{i}.tar.gz") if a == "OUT" else a for a in args]
+        jobs.append({"args": args, "cache": str(_fifo_cache(base / f"cache{i}").root), "out": str(base / f"{i}.out"),
+                     "err": str(base / f"{i}.err"), "done": str(base / f"{i}.done")})
+    # CXX and CC /bin/false: where the entry is (rightly) found corrupt, prewarm's and export's builds fail
+    # at once (nvcc -ccbin /bin/false too) instead of compiling for 5-10 s.
+    env = cli_env(base / "unused", CXX="/bin/false", CC="/bin/false")
+    pending, died = list(jobs), {}
+    while pending:  # after a hang the child is started again for the commands after that one
+        try:
+            child = subprocess.run([sys.executable, "-c", FIFO_CHILD, json.dumps(pending), str(TIMEOUT)], env=env,
+                                   cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT * len(pending) + 60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the FIFO commands' child hung past every command's own watchdog")
+        unfinished = [job for job in pending if not Path(job["done"]).exists()]
+        if unfinished:
+            died[unfinished[0]["done"]] = child.stderr
+        pending = unfinished[1:]
+    runs = {}
+    for job, args in zip(jobs, FIFO_COMMANDS + [("load_kernels",)]):
+        read = lambda key: Path(job[key]).read_text(errors="replace") if Path(job[key]).exists() else ""
+        code = json.loads(read("done")) if read("done") else None
+        runs[args] = (code, read("out"), read("err") + died.get(job["done"], ""))
+    return runs
+
+
+@pytest.mark.parametrize("args", FIFO_COMMANDS, ids=[" ".join(a) for a in FIFO_COMMANDS])
+def test_a_fifo_for_a_manifest_does_not_hang(fifo_runs, args):
+    code, out, err = fifo_runs[args]
+    assert code is not None, f"`sglang-hicache-jit {' '.join(args)}` hung for {TIMEOUT} s or died:\n{err[-3000:]}"
+    assert "Traceback" not in err, err
+
+
+def test_load_kernels_with_a_fifo_manifest_does_not_hang(fifo_runs):
+    code, out, err = fifo_runs[("load_kernels",)]
+    assert code is not None, f"load_kernels hung on a FIFO manifest for {TIMEOUT} s or died:\n{err[-3000:]}"
+    assert "NotBuiltError not_built" in out, out + err
 
 
 def test_a_fifo_given_as_a_bundle_does_not_hang(tmp_path):

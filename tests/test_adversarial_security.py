@@ -448,3 +448,44 @@ def test_d4_another_users_clean_leaves_a_world_writable_cache_alone(public_tmp, 
     assert out.stderr.count("error: [unsafe_cache]") == 3 and "Traceback" not in out.stderr, out.stderr
     assert snapshot(root) == before, "another user's command changed the cache"
     assert len(entry_dirs(root)) == 2
+
+
+# ---- the tests' own files in the shared temp dir (issue 33) -----------------------------------------------
+
+def test_hypothesis_writes_inside_pytests_private_temp_dir_not_through_a_planted_shared_name(
+        tmp_path_factory, tmp_path, monkeypatch):
+    """hypothesis' home was `$TMPDIR/sglang-hicache-jit-hypothesis-<uid>`: a fixed name in the shared temp
+    dir, which another user could create first, as a symbolic link into the victim's files or as a 0777
+    directory whose example database they read and poison. It is now inside pytest's base temp dir
+    (private to this user, new for each run), and nothing in the shared temp dir is consulted."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import given, settings, strategies as st
+    from hypothesis.configuration import storage_directory
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    shared = tmp_path / "shared-tmp"  # stands for /tmp: the attacker plants both old names first
+    shared.mkdir(mode=0o1777)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (shared / f"sglang-hicache-jit-hypothesis-{os.getuid()}").symlink_to(victim)
+    (shared / ".hypothesis").mkdir(mode=0o777)
+    monkeypatch.setenv("TMPDIR", str(shared))
+    monkeypatch.setattr("tempfile.tempdir", str(shared))
+
+    base = tmp_path_factory.getbasetemp().resolve()
+    examples = storage_directory("examples")
+    home = Path(getattr(examples, "path", examples)).resolve()  # a StorageDirectory in newer hypothesis
+    assert base in home.parents, f"hypothesis' home {home} is outside pytest's base temp dir {base}"
+    st_base = os.stat(base)
+    assert st_base.st_uid == os.geteuid() and stat.S_IMODE(st_base.st_mode) & 0o077 == 0, oct(st_base.st_mode)
+
+    @settings(database=DirectoryBasedExampleDatabase(home), max_examples=20)
+    @given(st.integers(min_value=0, max_value=100))
+    def fails(n):
+        assert n < 50  # a failing example is saved to the database
+
+    with pytest.raises(AssertionError):
+        fails()
+    assert any(p.is_file() for p in home.rglob("*")), "no example was saved where hypothesis' home says"
+    assert list(victim.iterdir()) == [] and list((shared / ".hypothesis").iterdir()) == []
+    assert sorted(p.name for p in shared.iterdir()) == [".hypothesis", f"sglang-hicache-jit-hypothesis-{os.getuid()}"]

@@ -102,3 +102,66 @@ def test_name_and_digest_checks_agree_with_their_patterns():
     for text in samples:
         assert FILE_NAME.match(text) == bool(name.fullmatch(text)), repr(text)
         assert _is_sha256(text) == bool(digest.fullmatch(text)), repr(text)
+
+
+def test_same_size_corruption_found_at_load_is_rebuilt_then_loaded(tmp_path, monkeypatch, caplog):
+    """load_kernels' warm look checks only the library's size and hashes it on the descriptor it loads;
+    a same-size change found there must end in a rebuild and a load of the new library, never in a
+    failure or a load of the damaged bytes. The compiler and dlopen are stand-ins (test_build.py's slow
+    test_same_size_corruption_is_rebuilt_by_load_kernels does the same with real builds)."""
+    import hashlib
+    import logging
+    import os
+    import types
+
+    from sglang_hicache_jit.buildcache import loader
+
+    toolkit = "cuda-13.0-nvccFAKE"
+    builds, loaded = [], []
+
+    def fake_compile(spec, key, tools, staging):
+        entry_dir = staging / "entry"
+        entry_dir.mkdir(mode=0o700)
+        name = spec.extension_name(key)
+        (entry_dir / f"{name}.so").write_bytes(os.urandom(8192))
+        (entry_dir / "build.log").write_text("fake build\n")
+        write_manifest(entry_dir, {"name": name, "kernel": spec.kernel, "key": key, "abi_key": spec.abi_key,
+                                   "components": spec.abi_components, "toolkit": toolkit,
+                                   "library": f"{name}.so", "log": "build.log"})
+        builds.append(key)
+        return entry_dir, 0.0
+
+    def fake_dlopen(fd, entry):  # what would be loaded: the bytes behind the verified descriptor
+        with open(f"/proc/self/fd/{fd}", "rb") as f:
+            loaded.append(f.read())
+
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("SGLANG_HICACHE_JIT_PREBUILT_DIRS", "SGLANG_HICACHE_JIT_LOCK_DIR", "SGLANG_HICACHE_JIT_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(loader, "compile_entry", fake_compile)
+    monkeypatch.setattr(loader, "find_toolkit", lambda: types.SimpleNamespace(identity=toolkit))
+    monkeypatch.setattr(loader, "check_build_tools", lambda archs: types.SimpleNamespace(nvcc_version="fake"))
+    monkeypatch.setattr(loader, "_dlopen", fake_dlopen)
+    monkeypatch.setattr(loader, "_loaded", {})
+    monkeypatch.setattr(loader, "_by_archs", {})
+
+    first = loader.load_kernels("9.0")
+    os.close(first.fd)
+    library = first.path
+    good = library.read_bytes()
+    assert builds and loaded == [good]
+    damaged = bytearray(good)
+    damaged[len(damaged) // 2] ^= 0xFF
+    library.write_bytes(bytes(damaged))
+    monkeypatch.setattr(loader, "_loaded", {})  # a fresh process: nothing loaded, nothing remembered
+    monkeypatch.setattr(loader, "_by_archs", {})
+
+    with caplog.at_level(logging.INFO, logger="sglang_hicache_jit"):
+        again = loader.load_kernels("9.0")
+    os.close(again.fd)
+    assert again.path == library and len(builds) == 2, builds
+    assert "built again" in caplog.text, caplog.text
+    rebuilt = library.read_bytes()
+    assert rebuilt != bytes(damaged) and loaded[-1] == rebuilt
+    assert hashlib.sha256(rebuilt).hexdigest() == again.entry.manifest["sha256"]
+    assert bytes(damaged) not in loaded

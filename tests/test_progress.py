@@ -14,7 +14,7 @@ from sglang_hicache_jit.buildcache.progress import describe_step, follow
 CHILD = r"""
 import sys, time
 print("Emitting ninja build file", flush=True)
-time.sleep(0.7)
+time.sleep(0.35)
 print("[1/3] /usr/local/cuda/bin/nvcc -c /x/y/kernel.cu -o kernel.cuda.o", flush=True)
 print("[2/3] c++ -c /x/y/binding.cpp -o binding.o", flush=True)
 print("[3/3] c++ kernel.cuda.o binding.o -shared -o lib_abc.so", flush=True)
@@ -39,7 +39,7 @@ def test_steps_and_heartbeat_are_logged_and_the_log_is_whole(caplog, exit_code):
     with caplog.at_level(logging.INFO, logger="sglang_hicache_jit"):
         proc = subprocess.Popen([sys.executable, "-c", CHILD, str(exit_code)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT)
-        code = follow(proc, log_file=log_file, what="k for sm90", heartbeat=0.2)
+        code = follow(proc, log_file=log_file, what="k for sm90", heartbeat=0.1)
     assert code == exit_code
     messages = [r.getMessage() for r in caplog.records]
     assert "compiling k for sm90: [1/3] kernel.cuda.o" in messages

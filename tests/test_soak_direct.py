@@ -27,7 +27,7 @@ def soak():
 
 def test_a_smoke_run_covers_every_layout_both_ways_and_holds(soak, tmp_path, capsys):
     out = tmp_path / "soak.json"
-    code = soak.main(["--smoke", "--device", "cpu", "--seconds", "1", "--threads", "2", "--out", str(out)])
+    code = soak.main(["--smoke", "--device", "cpu", "--seconds", "0.5", "--threads", "2", "--out", str(out)])
     document = json.loads(out.read_text())
     assert code == 0 and document["ok"] and document["finished"], document["failures"]
     assert document["failed"] == 0 and document["hang"] is None and document["threads"] == 2
@@ -58,7 +58,7 @@ def _corrupt(soak, monkeypatch, how):
 def test_a_wrong_copy_is_caught_and_fails_the_run(soak, tmp_path, monkeypatch, capsys, how):
     _corrupt(soak, monkeypatch, how)
     out = tmp_path / "soak.json"
-    code = soak.main(["--smoke", "--device", "cpu", "--seconds", "1", "--threads", "1", "--audit-every", "1",
+    code = soak.main(["--smoke", "--device", "cpu", "--seconds", "0.3", "--threads", "1", "--audit-every", "1",
                       "--out", str(out)])
     document = json.loads(out.read_text())
     assert code == soak.EXIT_FAILED and not document["ok"] and document["failed"] > 0
@@ -96,7 +96,7 @@ def test_the_watchdog_reports_a_hang_and_exits(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     started = time.monotonic()
     proc = subprocess.run([sys.executable, str(TOOL), "--smoke", "--device", "cpu", "--seconds", "60", "--threads",
-                           "2", "--hang-seconds", "2", "--simulate-hang", "3", "--out", str(out)],
+                           "2", "--hang-seconds", "1", "--simulate-hang", "3", "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert time.monotonic() - started < 50  # well before --seconds: the hang ended it

@@ -26,7 +26,7 @@ import time
 from .. import safeio, settings
 from ..errors import BadSettingError
 from .modes import MODES
-from .providers import check_provider
+from .providers import PROVIDER_NAMES, check_provider
 from .report import plot, summarize, summary_lines
 from .workloads import WORKLOADS
 
@@ -41,8 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", nargs="*", default=[], choices=["plain", "bulk"],
                    help="also measure these copy methods explicitly at each quota")
     p.add_argument("--providers", nargs="*", default=None,
-                   help="only these providers (ceiling always runs): jit[-plain|-bulk][-qN][-wW][-aA], "
-                        "upstream[-reg|-tma][-qN] (SGLang's own kernels), torch-index, per-page")
+                   help=f"only these providers (ceiling always runs): {PROVIDER_NAMES}")
     p.add_argument("--host-layout", default="page_first", choices=["page_first", "page_first_direct"],
                    help="host pool layout: page_first (a layer's rows strided), or page_first_direct (a page of a "
                         "layer contiguous: the copy engines move it as one copy; one layer only)")

@@ -17,6 +17,11 @@ def _providers(args):
     return names + ["torch-index", "per-page"]
 
 
+# Every provider name the benchmark takes, as `bench --help` and the unknown-name error list them.
+PROVIDER_NAMES = ("ceiling, jit[-resident][-plain|-bulk][-qN][-rR][-wW][-aA], upstream[-reg|-tma][-qN] (SGLang's "
+                  "own kernels), direct[-2d] (the copy engines), torch-index, per-page")
+
+
 def check_provider(name: str) -> None:
     """ValueError for a provider name the benchmark does not know (checked before anything runs)."""
     if name in ("ceiling", "torch-index", "per-page") or name in DIRECT_PROVIDERS:
@@ -31,8 +36,7 @@ def check_provider(name: str) -> None:
             return
     except (ValueError, IndexError) as exc:
         raise ValueError(f"bad provider {name!r}: {exc}") from None
-    raise ValueError(f"unknown provider {name!r} (ceiling, jit[-plain|-bulk|-resident][-qN][-rR][-wW][-aA], "
-                     "upstream[-reg|-tma][-qN], direct[-2d], torch-index, per-page)")
+    raise ValueError(f"unknown provider {name!r} ({PROVIDER_NAMES})")
 
 
 def family(provider: str) -> str:

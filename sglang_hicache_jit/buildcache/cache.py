@@ -265,9 +265,10 @@ def _open_library(entry: Entry, *, check_trust: bool, hash_library: bool = True)
         if not hash_library:
             return fd
         digest = hashlib.sha256()
-        with os.fdopen(os.dup(fd), "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
+        offset = 0  # pread on the descriptor itself: no duplicate descriptor and file object (warm path)
+        while block := os.pread(fd, 1 << 20, offset):
+            digest.update(block)
+            offset += len(block)
         if digest.hexdigest() != entry.manifest.get("sha256"):
             raise CorruptEntry(f"{entry.library} does not match the sha256 in its manifest")
         return fd

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import platform
 import sys
 import sysconfig
@@ -45,19 +46,28 @@ LAYOUT_VERSION = "v1"  # bump when the cache layout or manifest format changes
 
 def kernels_dir() -> Path:
     """The CUDA sources: inside the package in a wheel, beside it in a checkout."""
-    package = Path(__file__).resolve().parent.parent  # this file is in sglang_hicache_jit/buildcache/
-    for candidate in (package / "kernels", package.parent / "kernels"):
-        if all((candidate / name).is_file() for name in SOURCES + HEADERS):
-            return candidate
-    raise FileNotFoundError(
-        f"the CUDA sources ({', '.join(SOURCES + HEADERS)}) are neither in {package / 'kernels'} "
-        f"nor in {package.parent / 'kernels'}; the installation is incomplete (reinstall the package)"
-    )
+    return Path(_sources()[0])
 
 
 @functools.lru_cache(maxsize=None)
-def _read_sources(directory: str) -> tuple[tuple[str, bytes], ...]:
-    return tuple((name, (Path(directory) / name).read_bytes()) for name in SOURCES + HEADERS)
+def _sources() -> tuple[str, tuple[tuple[str, bytes], ...]]:
+    """kernels_dir() and the bytes of its files (the key hashes them), found by reading each candidate's
+    files rather than checking each one first: 0.1 ms less of every warm load."""
+    package = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # this file is in sglang_hicache_jit/buildcache/
+    for candidate in (os.path.join(package, "kernels"), os.path.join(os.path.dirname(package), "kernels")):
+        files = []
+        try:
+            for name in SOURCES + HEADERS:
+                with open(os.path.join(candidate, name), "rb") as f:
+                    files.append((name, f.read()))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            continue
+        return candidate, tuple(files)
+    raise FileNotFoundError(
+        f"the CUDA sources ({', '.join(SOURCES + HEADERS)}) are neither in {os.path.join(package, 'kernels')} "
+        f"nor in {os.path.join(os.path.dirname(package), 'kernels')}; the installation is incomplete (reinstall the "
+        "package)"
+    )
 
 
 def _sha256(data: bytes) -> str:
@@ -83,7 +93,7 @@ class BuildSpec:
 
     @classmethod
     def for_archs(cls, archs: tuple[Arch, ...]) -> "BuildSpec":
-        return cls(archs=tuple(sorted(archs)), files=_read_sources(str(kernels_dir())))
+        return cls(archs=tuple(sorted(archs)), files=_sources()[1])
 
     @property
     def arch_tag(self) -> str:

@@ -46,6 +46,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+# The warm load's budget, from `import sglang_hicache_jit` through load_kernels() after `import torch`, with
+# numpy and with SGLang installed (the median of fresh processes). docs/BENCHMARKS.md and
+# tests/test_warm_path.py state the same number; tests/test_docs.py checks that they do.
+WARM_TARGET_MS = 4.5
 
 LOAD = (
     "import json, sys, time, torch\n"
@@ -236,7 +240,7 @@ def _report(args, results: dict, out) -> int:
          f"best of {args.cold_runs} {results['cold_build_all_s']}; target < 6 s"),
         ("warm load, fresh process, after import torch", f"{results['warm_load_ms']:.2f} ms",
          f"median of {args.runs} (best {results['warm_load_best_ms']:.2f}): import "
-         f"{results['warm_import_ms']:.2f} + load_kernels {results['warm_load_kernels_ms']:.2f}; target < 5 ms"),
+         f"{results['warm_import_ms']:.2f} + load_kernels {results['warm_load_kernels_ms']:.2f}; target < {WARM_TARGET_MS} ms"),
         ("  heavy modules the warm path imported", ", ".join(results["warm_heavy_modules"]) or "none", ""),
     ]
     if "concurrent_cold_s" in results:
@@ -249,7 +253,7 @@ def _report(args, results: dict, out) -> int:
             ("first load after import", f"{results['first_load_after_import_ms']:.2f} ms", ""),
             ("import + first load", f"{results['import_plus_first_load_s']:.3f} s", "target < 0.5 s"),
             ("warm load from a read-only prebuilt layer", f"{results['prebuilt_load_ms']:.2f} ms",
-             f"median of {args.runs}; target < 5 ms"),
+             f"median of {args.runs}; target < {WARM_TARGET_MS} ms"),
         ]
     width = max(len(r[0]) for r in rows)
     print(f"loader, arch {args.arch}, {os.cpu_count()} CPUs, load average {results['load_average'][0]:.2f}")
