@@ -15,7 +15,7 @@ kernel's figures; ``route.SMALL_COPY_BYTES`` is that measured number (docs/BENCH
 
 from __future__ import annotations
 
-import statistics
+from .copy_engine import _gpu_seconds as _seconds  # the same CUDA-event median
 
 
 def add_arguments(p, name: str) -> None:
@@ -24,18 +24,6 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--rows-per-copy", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                    help="copy sizes, in rows")
     p.add_argument("--quotas", nargs="+", type=int, default=[1, 2], help="the kernel's CTA budgets")
-
-
-def _seconds(torch, launch, reps: int = 7) -> float:
-    times = []
-    for _ in range(reps + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times[1:])
 
 
 def run(args, out, name: str) -> int:
