@@ -240,7 +240,8 @@ DEFAULT_STAGING_BYTES = 512 << 20
 
 
 def staging_bytes() -> int:
-    """GPU memory a page_first host pool may use to stage backups (0: no staging, strided copies instead)."""
+    """GPU memory a page_first or page_first_direct host pool may use to stage backups (0: no staging, one copy
+    per row or per page and layer instead)."""
     return _size(STAGING, DEFAULT_STAGING_BYTES, f"correct or unset {STAGING} (0 turns staging off).")
 
 
