@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Real SGLang servers on the offline GPU machine (issue 29):
 #   bash tools/gpu_server.sh MODE[:SECONDS][,MODE[:SECONDS]...] [main.py args]
-# MODE is smoke, matrix, ttft or cp2; several run one after the other (e.g. matrix:300,ttft: the matrix
+# MODE is smoke, matrix, ttft, realsize (issue 36: the real-size models' TTFT and TPOT, one engine at a
+# time; one model per call, e.g. realsize --only mha-8b) or cp2; several run one after the other (e.g. matrix:300,ttft: the matrix
 # gets 300 s, ttft the rest). MODE-dry (e.g. cp2-dry) starts no engine: it builds each cell's server
 # arguments (issue 28's two-rank cells, on one GPU). MODE pytest runs tests/test_sglang_server_gpu.py (the
 # smoke through pytest, its summary under $OUT/pytest/); a skipped test fails there, as nothing was shown.

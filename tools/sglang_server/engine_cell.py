@@ -11,7 +11,11 @@ workload. The mode sets, before SGLang is imported (its processes inherit the en
 * ``plugin-nojit``: the plugin on with ``SGLANG_HICACHE_JIT_DISABLE=1`` (copy engines only);
 * ``control``: as ``upstream``, with every row loaded back from the host zeroed on the device
   (``harness_plugin.py``): its outputs must differ, or the test cannot see the KV bytes;
-* ``control-plugin``: the same corruption with the plugin on.
+* ``control-plugin``: the same corruption with the plugin on;
+* ``hicache-off``: no hierarchical cache at all (the real-size runs' TPOT baseline).
+
+Workloads: ``correctness`` (the default), ``ttft`` and ``realsize`` (the real-size models: TTFT with
+alternated hits alone and beside decoding, then TPOT of a steady decode batch under three traffics).
 
 Writes ``DIR/<cell>.json``: the effective server arguments (SGLang rewrites some layout x backend
 pairs), each request's output ids, logprobs and cached-token split, timings, and any error. The engine's
@@ -38,6 +42,7 @@ MODES = {
     "plugin-nojit": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "SGLANG_HICACHE_JIT_DISABLE": "1"},
     "control": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0", "HICACHE_SERVER_CORRUPT": "zero"},
     "control-plugin": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "HICACHE_SERVER_CORRUPT": "zero"},
+    "hicache-off": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0"},
 }
 HICACHE_KEYS = ("hicache_io_backend", "hicache_mem_layout", "hicache_write_policy", "hicache_ratio", "page_size",
                 "max_total_tokens", "attention_backend", "sampling_backend", "attn_cp_size", "tp_size")
@@ -47,7 +52,7 @@ def engine_kwargs(spec: dict, fields: set | None = None) -> tuple:
     """(kwargs for sglang.Engine, names dropped because this release's ServerArgs lacks them)."""
     wanted = {
         "model_path": spec["model"], "tokenizer_path": spec["model"], "load_format": "dummy", "dtype": "bfloat16",
-        "enable_hierarchical_cache": True, "hicache_io_backend": spec["io_backend"],
+        "enable_hierarchical_cache": spec.get("mode") != "hicache-off", "hicache_io_backend": spec["io_backend"],
         "hicache_mem_layout": spec["layout"], "hicache_write_policy": "write_through",
         "hicache_ratio": spec.get("host_ratio", 4.0), "page_size": spec.get("page", 64),
         "max_total_tokens": spec["device_tokens"], "max_running_requests": spec.get("max_running", 16),
@@ -143,22 +148,106 @@ async def _measure(engine, spec: dict, rounds: list, background: bool, record: d
     task = asyncio.ensure_future(decode()) if background else None
     if task is not None:
         await asyncio.sleep(2.0)  # the decoders are running
+    async def hit(kind, row):
+        out, took = await one(item[kind])
+        row[kind] = {"ttft_s": round(took, 5), "host_hit": out["host_hit"], "device_hit": out["device_hit"],
+                     "cached": out["cached"]}
+
     for item in rounds:
         if time.time() > spec.get("deadline", float("inf")):
             record["ttft_cut"] = "deadline"
             break
-        row = {"length": item["length"], "round": item["round"], "background": background}
+        row = {"length": item["length"], "round": item["round"], "background": background,
+               "device_first": item.get("device_first", False)}
         out, took = await one(item["warm"])  # no hit: the whole prompt is computed (what a miss costs)
         row["cold"] = {"ttft_s": round(took, 5), "cached": out["cached"]}
+        if row["device_first"]:  # still on the device right after its miss
+            await hit("device", row)
         for filler in item["fillers"]:
             await one(filler)
-        for kind in ("host", "device"):
-            out, took = await one(item[kind])
-            row[kind] = {"ttft_s": round(took, 5), "host_hit": out["host_hit"], "device_hit": out["device_hit"]}
+        await hit("host", row)
+        if not row["device_first"]:
+            await hit("device", row)
         record["ttft"].append(row)
     stop.append(True)
     if task is not None:
         await task
+
+
+def run_realsize(engine, spec: dict, record: dict) -> None:
+    """The real-size workloads in one engine: TTFT (miss, device hit, host hit per length, hits in
+    alternated order, alone then beside decoding; not with HiCache off), then TPOT under each traffic."""
+    from sglang_server import workload
+
+    record["ttft"] = []
+    if spec.get("mode") != "hicache-off":
+        for background in (False, True):  # fresh prefixes for each: nothing is cached from the first pass
+            rounds = workload.ttft_rounds(spec["vocab"], spec.get("lengths", (8192, 32768)),
+                                          rounds=spec.get("rounds", 7), device_tokens=spec["device_tokens"],
+                                          seed=11 + int(background), alternate=True)
+            engine.loop.run_until_complete(_measure(engine, spec, rounds, background, record))
+        record["ttft_summary"] = summarize_ttft(record["ttft"])
+    record["tpot"] = []
+    for traffic in spec.get("traffics", ("quiet", "backups", "loads")):
+        if time.time() > spec.get("deadline", float("inf")) - spec.get("tpot_window_s", 10.0) - 5:
+            record["tpot_cut"] = traffic
+            break
+        record["tpot"].append(engine.loop.run_until_complete(_tpot(engine, spec, traffic)))
+
+
+async def _tpot(engine, spec: dict, traffic: str) -> dict:
+    """TPOT of a steady decode batch beside one traffic: every decoder streams, and each gap between two
+    of its chunks inside the window (after a warm-up) counts, per token, as one sample. The traffic's
+    requests go one at a time, one every ``interval`` seconds at most, so every mode gets the same load."""
+    import asyncio
+
+    from sglang_server import workload
+
+    count = spec.get("tpot_decoders", 32)
+    prompts = workload.tpot_decoders(spec["vocab"], count)
+    window, warmup = spec.get("tpot_window_s", 10.0), spec.get("tpot_warmup_s", 2.0)
+    interval = spec.get("traffic_interval_s", 1.0)
+    reqs = workload.tpot_traffic(spec["vocab"], traffic, count=int(window / interval) + 4,
+                                 length=spec.get("traffic_tokens", 8192))
+    one_token = {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}
+    for ids in reqs["warm"]:  # the ring is computed and written through before the window
+        await engine.async_generate(input_ids=ids, sampling_params=one_token)
+    params = {"temperature": 0.0, "max_new_tokens": spec.get("tpot_tokens", 256), "ignore_eos": True}
+    samples, state = [], {"start": None, "end": None, "stop": False}
+    loop = asyncio.get_event_loop()
+
+    async def decoder(ids):
+        while not state["stop"]:
+            last_t, last_n = None, 0
+            stream = await engine.async_generate(input_ids=ids, sampling_params=params, stream=True)
+            async for chunk in stream:
+                now, n = loop.time(), chunk["meta_info"].get("completion_tokens", 0)
+                if last_t is not None and n > last_n and state["start"] is not None and \
+                        state["start"] <= last_t and (state["end"] is None or now <= state["end"]):
+                    samples.extend([(now - last_t) / (n - last_n)] * (n - last_n))
+                last_t, last_n = now, n
+
+    tasks = [asyncio.ensure_future(decoder(ids)) for ids in prompts]
+    await asyncio.sleep(warmup)
+    state["start"] = loop.time()
+    sent = []
+    for ids in reqs["stream"]:
+        if loop.time() - state["start"] >= window:
+            break
+        began = loop.time()
+        out = _outputs(await engine.async_generate(input_ids=ids, sampling_params=one_token))
+        sent.append({"s": round(loop.time() - began, 4), "prompt": len(ids), "host_hit": out["host_hit"],
+                     "device_hit": out["device_hit"]})
+        await asyncio.sleep(max(0.0, interval - (loop.time() - began)))
+    await asyncio.sleep(max(0.0, window - (loop.time() - state["start"])))
+    state["end"] = loop.time()
+    state["stop"] = True  # each decoder ends its request (a cancelled one could decode on into the next traffic)
+    await asyncio.gather(*tasks)
+    ms = sorted(x * 1000 for x in samples)
+    return {"traffic": traffic, "samples": len(ms), "window_s": round(state["end"] - state["start"], 2),
+            "median_ms": round(statistics.median(ms), 3) if ms else None,
+            "p90_ms": round(ms[int(0.9 * (len(ms) - 1))], 3) if ms else None,
+            "requests": sent, "host_hit_tokens": sum(r["host_hit"] for r in sent)}
 
 
 def summarize_ttft(rows: list) -> list:
@@ -185,6 +274,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     spec = json.loads(args.spec)
+    if "max_s" in spec:  # this engine's own time box, from now, within the run's deadline
+        spec["deadline"] = min(spec.get("deadline", float("inf")), time.time() + spec["max_s"])
     os.environ.update(MODES[spec["mode"]])
     os.environ.update(spec.get("env", {}))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +295,8 @@ def main() -> int:
         server_args = getattr(engine, "server_args", None)
         record["effective"] = {k: getattr(server_args, k, None) for k in HICACHE_KEYS}
         start = time.perf_counter()
-        (run_ttft if spec.get("workload") == "ttft" else run_correctness)(engine, spec, record)
+        workloads = {"ttft": run_ttft, "realsize": run_realsize}
+        workloads.get(spec.get("workload"), run_correctness)(engine, spec, record)
         record["workload_s"] = round(time.perf_counter() - start, 2)
         record["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - a cell's failure is a result, written like any other

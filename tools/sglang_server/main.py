@@ -36,8 +36,9 @@ LOGGING = {"version": 1, "disable_existing_loggers": False,
                                 "datefmt": "%H:%M:%S"}},
            "handlers": {"h": {"class": "logging.StreamHandler", "formatter": "f", "stream": "ext://sys.stderr"}},
            "root": {"level": "INFO", "handlers": ["h"]}}
-TIMEOUT = {"correctness": 330.0, "ttft": 480.0}
-EXPECT = {"correctness": 100.0, "ttft": 110.0}
+TIMEOUT = {"correctness": 330.0, "ttft": 480.0, "realsize": 420.0}
+EXPECT = {"correctness": 100.0, "ttft": 110.0, "realsize": 120.0}
+REALSIZE_MAX_S = 300.0  # one real-size engine's own deadline, from its start: the next mode gets its turn
 
 
 def prepare(work: Path, kinds) -> dict:
@@ -55,8 +56,10 @@ def jobs_for(cells, made: dict, cells_dir: Path, deadline_epoch: float, base_por
     jobs = []
     for i, cell in enumerate(cells):
         spec = plan.spec(cell, model_dir=made[cell.model], vocab=models.VOCAB, port=base_port + 20 * i)
-        if cell.workload == "ttft":
+        if cell.workload in ("ttft", "realsize"):
             spec["deadline"] = deadline_epoch - 25  # leave time to shut down and write
+        if cell.workload == "realsize":
+            spec["max_s"] = REALSIZE_MAX_S
         argv = [sys.executable, str(HERE / "engine_cell.py"), "--spec", json.dumps(spec), "--out", str(cells_dir)]
         jobs.append(runner.Job(cell.name, argv, timeout=TIMEOUT[cell.workload], expect=EXPECT[cell.workload],
                                gpus=spec.get("gpus", 1)))
@@ -128,7 +131,14 @@ def main(argv=None) -> int:
         import torch
 
         args.gpus = max(1, torch.cuda.device_count())
-    parallel = args.parallel or {"smoke": 4, "matrix": 12, "ttft": 1, "cp2": 1}[args.mode]
+    parallel = args.parallel or {"smoke": 4, "matrix": 12, "ttft": 1, "realsize": 1, "cp2": 1}[args.mode]
+    pcie = None
+    if args.mode == "realsize":  # the floor, in this call, before any engine holds the GPU
+        floor = subprocess.run([sys.executable, str(HERE / "pcie.py"), "--out", str(args.out / "pcie.json")],
+                               capture_output=True, text=True, timeout=120)
+        print(floor.stdout.strip() or floor.stderr[-2000:], flush=True)
+        if floor.returncode == 0:
+            pcie = json.loads((args.out / "pcie.json").read_text())
     cells_dir = args.work / "cells"
     shutil.rmtree(cells_dir, ignore_errors=True)
     jobs = jobs_for(cells, prepared["models"], cells_dir, time.time() + args.budget_s)
@@ -146,6 +156,10 @@ def main(argv=None) -> int:
     result["ttft"] = ttft
     label = f"(sglang {args.release}{', ' + args.label if args.label else ''}, {args.mode})"
     text = summary.markdown(result, ttft, label)
+    if args.mode == "realsize":
+        result["realsize"] = summary.realsize_tables(records, pcie and pcie["h2d_gbps"])
+        result["pcie"] = pcie
+        text += summary.realsize_markdown(result["realsize"])
     text += "\n" + "\n".join(f"* {o.name}: {o.status} ({o.seconds} s)" for o in outcomes) + "\n"
     text += "\n## What a plugin run's log says\n\n```\n" + excerpt(cells_dir) + "```\n"
     (args.out / f"{args.mode}-summary.md").write_text(text)
@@ -155,6 +169,8 @@ def main(argv=None) -> int:
     print(text)
     if shutil.which("nvidia-smi"):
         subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv"], check=False)
+    if args.mode == "realsize":
+        return 0 if all(o.status == "done" for o in outcomes) else 1
     return 0 if result["passed"] or args.mode == "ttft" else 1
 
 

@@ -12,6 +12,20 @@ dummy weights a scale at which the output depends on the prompt (``weights.py``)
 * ``mla-dsa``: DeepSeek-V3.2 (``DeepseekV32ForCausalLM``, with the indexer), 4 layers: the only models
   whose host pools SGLang layer-shards (two ranks, issue 28).
 
+Real-size shapes, for timing what a user feels (TTFT and TPOT, issue 36): the compute per token of a
+real model, so a host hit's load competes with real kernels.
+
+* ``mha-8b``: Llama-3.1-8B's shape: 32 layers, hidden 4096, 32 query heads, 8 KV heads of 128,
+  intermediate 14336 (128 KiB of KV per token; 16 GB of bf16 weights);
+* ``mla-v2lite``: DeepSeek-V2-Lite's shape in SGLang's DeepSeek model class: 27 layers, hidden 2048,
+  16 heads, no q LoRA, kv_lora_rank 512 + rope 64 (1152-B rows, 31 KB per token), the first layer
+  dense and 26 MoE layers of 64 routed experts (6 per token) and 2 shared ones of 1408;
+* ``mla-v2lite-dense``: the same attention with every layer dense (intermediate 10944, about the
+  MoE layers' active compute): the fallback where the MoE kernels do not run.
+
+Every shape keeps the 2048-id tokenizer, so the real models' vocabularies (128K and 102K ids) are
+not modelled: their LM head is about 3-6% of a real step's compute.
+
 transformers 5 does not write ``moe_layer_freq``, and SGLang 0.5.17 reads it when it builds a DeepSeek
 layer, so the config carries it, with ``scoring_func`` and ``topk_method``. Every layer is dense
 (``first_k_dense_replace`` = the layer count), so no MoE kernel runs.
@@ -50,7 +64,16 @@ _LLAMA = {
 # DeepSeek-V3.2 (DSA): MLA plus the indexer; SGLang builds layer-sharded host pools only for such models.
 _DSA = dict(_DEEPSEEK, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_topk=2048,
             index_n_heads=64, index_head_dim=128)
-SHAPES = {"mla-tiny": (_DEEPSEEK, 4), "mla-kv": (_DEEPSEEK, 61), "mha-tiny": (_LLAMA, 4), "mla-dsa": (_DSA, 4)}
+_LLAMA_8B = dict(_LLAMA, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 rope_theta=500000.0, rms_norm_eps=1e-5)
+_V2_LITE = dict(_DEEPSEEK, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, n_shared_experts=2,
+                n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1)
+_V2_LITE_DENSE = dict(_V2_LITE)
+del _V2_LITE_DENSE["first_k_dense_replace"]  # every layer dense (config() sets it to the layer count)
+SHAPES = {"mla-tiny": (_DEEPSEEK, 4), "mla-kv": (_DEEPSEEK, 61), "mha-tiny": (_LLAMA, 4), "mla-dsa": (_DSA, 4),
+          "mha-8b": (_LLAMA_8B, 32), "mla-v2lite": (_V2_LITE, 27), "mla-v2lite-dense": (_V2_LITE_DENSE, 27)}
+REAL_SIZE = ("mha-8b", "mla-v2lite", "mla-v2lite-dense")
 
 
 def config(kind: str) -> dict:
@@ -58,7 +81,7 @@ def config(kind: str) -> dict:
     cfg = dict(base, num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=CONTEXT,
                bos_token_id=BOS, eos_token_id=EOS, pad_token_id=3, tie_word_embeddings=False,
                torch_dtype="bfloat16", use_cache=True)
-    if base is not _LLAMA:
+    if cfg["model_type"] != "llama" and "first_k_dense_replace" not in base:
         cfg["first_k_dense_replace"] = layers  # every layer dense: no MoE kernels
     return cfg
 

@@ -11,6 +11,8 @@ outputs must equal the pair they become).
 * ``matrix``: MLA then MHA, each pair in upstream / plugin / plugin-nojit, a negative control per model,
   then the rewritten requests and a control with the plugin on;
 * ``ttft``: the KV-realistic MLA model, one engine at a time: upstream, plugin, plugin-nojit;
+* ``realsize``: the real-size models (``models.REAL_SIZE``), one engine at a time, per model: upstream,
+  plugin, plugin-nojit (TTFT and TPOT each), then HiCache off (TPOT only);
 * ``cp2``: the two-rank configurations of the layer-sharded pools (``attn_cp_size`` 2), for a
   two-GPU machine (issue 28); ``--dry-run`` plans and checks them on one.
 """
@@ -70,6 +72,22 @@ def ttft(release: str) -> list:
             for m in EQUAL_MODES]
 
 
+REALSIZE_MODES = ("upstream", "plugin", "plugin-nojit", "hicache-off")
+# The real-size engines: decode CUDA graphs on (up to the TPOT batch and the traffic beside it), prefill
+# graphs off (prefills of 8K-32K tokens gain nothing from them, and capturing them costs each start).
+REALSIZE_ARGS = {"disable_cuda_graph": False, "disable_prefill_cuda_graph": True, "cuda_graph_max_bs_decode": 48,
+                 "cuda_graph_max_bs": 48}
+
+
+def realsize(release: str, models=("mha-8b", "mla-v2lite")) -> list:
+    """Per model, one engine per mode, in this order (the three modes the issue compares first).
+
+    The kernel + page_first pair is SGLang's default HiCache configuration, so upstream runs its
+    sgl-kernel there and the plugin its defaults."""
+    return [Cell(release, model, "kernel", "page_first", mode, workload="realsize", extra={"extra_args": REALSIZE_ARGS})
+            for model in models for mode in REALSIZE_MODES]
+
+
 def cp2(release: str) -> list:
     """The seed's configurations with two attention context-parallel ranks (issue 28): bf16 and FP8 MLA
     rows, page_first + kernel (the seed's cell) and page_first_direct + direct, plugin off and on.
@@ -92,7 +110,7 @@ def cp2(release: str) -> list:
     return cells
 
 
-PLANS = {"smoke": smoke, "matrix": matrix, "ttft": ttft, "cp2": cp2}
+PLANS = {"smoke": smoke, "matrix": matrix, "ttft": ttft, "realsize": realsize, "cp2": cp2}
 
 
 def select(cells: list, *, only: str = "", skip: str = "") -> list:
@@ -116,6 +134,12 @@ def spec(cell: Cell, *, model_dir: str, vocab: int, port: int, device_tokens: in
     if cell.workload == "ttft":
         tokens = device_tokens or 49152
         base = {"device_tokens": tokens, "host_ratio": 2.0, "chunk": 8192, "max_running": 16}
+    elif cell.workload == "realsize":
+        # 44K device tokens hold one 32K prefix beside the decoders but not two, so the fillers evict it;
+        # the host holds three times that (every prefix and its fillers). 64 requests: the decode batch,
+        # the traffic and the TTFT decoders.
+        base = {"device_tokens": device_tokens or 45056, "host_ratio": 3.0, "chunk": 8192, "max_running": 64,
+                "mem_fraction": 0.85, "lengths": [8192, 32768], "rounds": 7}
     else:
         base = {"device_tokens": device_tokens or workload.DEVICE_TOKENS, "host_ratio": workload.HOST_RATIO}
     out = {"cell": cell.name, "release": cell.release, "model": model_dir, "kind": cell.model,

@@ -229,7 +229,8 @@ def _verdict(checks: dict, equal_modes: list) -> str:
     return "pass" if not problems else "fail: " + "; ".join(problems)
 
 
-MODE_NAMES = {"upstream": "upstream (sgl-kernel)", "plugin": "plugin", "plugin-nojit": "plugin, copy engines"}
+MODE_NAMES = {"upstream": "upstream (sgl-kernel)", "plugin": "plugin", "plugin-nojit": "plugin, copy engines",
+              "hicache-off": "HiCache off"}
 
 
 def ttft_table(records: list, kv_bytes_per_token: int, link_gbps: float = 55.0) -> list:
@@ -279,4 +280,88 @@ def markdown(result: dict, ttft: list | None = None, label: str = "") -> str:
                 delta = round(host - device, 2) if host is not None and device is not None else None
                 lines.append(f"| {row['length']} | {'yes' if row['background'] else 'no'} | {row['floor_ms']} | "
                              f"{MODE_NAMES.get(mode, mode)} | {row.get(f'cold_ms_{mode}')} | {device} | {host} | {delta} |")
+    return "\n".join(lines) + "\n"
+
+
+def _stats_ms(values: list) -> dict | None:
+    """Median, min and max of seconds, in ms (None where there is none)."""
+    if not values:
+        return None
+    ms = sorted(v * 1000 for v in values)
+    mid = len(ms) // 2
+    median = ms[mid] if len(ms) % 2 else (ms[mid - 1] + ms[mid]) / 2
+    return {"median": round(median, 2), "min": round(ms[0], 2), "max": round(ms[-1], 2), "n": len(ms)}
+
+
+def realsize_tables(records: list, h2d_gbps: float | None) -> dict:
+    """The real-size runs' TTFT and TPOT rows, from each engine's raw rounds.
+
+    A round counts for the host hit only when ``cached_tokens_details`` says the whole prefix (within
+    one page) came from the host, and for the device hit only when it all came from the device; a miss
+    only when nothing was cached. ``host - device`` is paired within each round that proved both. The
+    floor is the prefix's KV bytes at the contiguous pinned copy's rate measured in the same call."""
+    from sglang_server import models
+
+    ttft, tpot, engines = [], [], []
+    for r in records:
+        spec = r.get("spec", {})
+        if spec.get("workload") != "realsize":
+            continue
+        kind, mode = spec.get("kind"), spec.get("mode")
+        engines.append({"model": kind, "mode": mode, "ok": r.get("ok"), "error": r.get("error", "")[:300],
+                        "start_s": r.get("engine_start_s"), "workload_s": r.get("workload_s"),
+                        "cut": r.get("ttft_cut") or r.get("tpot_cut"), "effective": r.get("effective"),
+                        "dropped_args": r.get("dropped_args"), "package_ops": package_ops(r)})
+        token_bytes = models.kv_row_bytes(kind)["token"]
+        rows = r.get("ttft", [])
+        for key in sorted({(x["length"], x["background"]) for x in rows}):
+            sel = [x for x in rows if (x["length"], x["background"]) == key]
+            length = key[0]
+            host_ok = [x for x in sel if x.get("host", {}).get("host_hit", 0) >= length - 64]
+            dev_ok = [x for x in sel if x.get("device", {}).get("device_hit", 0) >= length - 64]
+            pairs = [x for x in host_ok if x in dev_ok]
+            floor = round(length * token_bytes / (h2d_gbps * 1e9) * 1000, 2) if h2d_gbps else None
+            delta = _stats_ms([x["host"]["ttft_s"] - x["device"]["ttft_s"] for x in pairs])
+            ttft.append({
+                "model": kind, "mode": mode, "length": length, "background": key[1], "rounds": len(sel),
+                "miss": _stats_ms([x["cold"]["ttft_s"] for x in sel if x["cold"]["cached"] == 0]),
+                "device": _stats_ms([x["device"]["ttft_s"] for x in dev_ok]),
+                "host": _stats_ms([x["host"]["ttft_s"] for x in host_ok]),
+                "host_minus_device": delta, "floor_ms": floor,
+                "of_floor": round(delta["median"] / floor, 3) if delta and floor else None,
+                "host_hits_proven": len(host_ok), "device_hits_proven": len(dev_ok)})
+        for t in r.get("tpot", []):
+            tpot.append({"model": kind, "mode": mode, **{k: v for k, v in t.items() if k != "requests"},
+                         "traffic_requests": len(t.get("requests", []))})
+    return {"ttft": ttft, "tpot": tpot, "engines": engines, "h2d_gbps": h2d_gbps}
+
+
+def _fmt(stats: dict | None) -> str:
+    return "-" if not stats else f"{stats['median']} [{stats['min']}-{stats['max']}] n={stats['n']}"
+
+
+def realsize_markdown(tables: dict) -> str:
+    lines = ["", "## Real-size engines", "", "| model | mode | served | start s | workload s | cut at | "
+             "package ops: tokens at the first layer |", "|---|---|---|---|---|---|---|"]
+    for e in tables.get("engines", []):
+        po = e["package_ops"]
+        ops = (", ".join(f"{op} {n}" for op, n in sorted(po["ops"].items())) or "none") + \
+            f" (loaded {po['loaded']}, loads {po['loads']}, short {po['short']})"
+        lines.append(f"| {e['model']} | {MODE_NAMES.get(e['mode'], e['mode'])} | {'yes' if e['ok'] else e['error']} | "
+                     f"{e['start_s']} | {e['workload_s']} | {e['cut'] or '-'} | {ops} |")
+    lines += ["", f"## Real-size TTFT (ms: median [min-max] n=rounds), PCIe floor at {tables['h2d_gbps']} GB/s "
+             "(contiguous pinned H2D, same call)", "",
+             "| model | mode | prefix | beside decoding | miss | device hit | host hit | host - device (paired) | "
+             "floor | of floor |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in tables["ttft"]:
+        lines.append(f"| {row['model']} | {MODE_NAMES.get(row['mode'], row['mode'])} | {row['length']} | "
+                     f"{'yes' if row['background'] else 'no'} | {_fmt(row['miss'])} | {_fmt(row['device'])} | "
+                     f"{_fmt(row['host'])} | {_fmt(row['host_minus_device'])} | {row['floor_ms']} | {row['of_floor']} |")
+    lines += ["", "## Real-size TPOT (ms per output token of the steady decode batch)", "",
+              "| model | mode | traffic | median | p90 | samples | traffic requests | host-hit tokens |",
+              "|---|---|---|---|---|---|---|---|"]
+    for row in tables["tpot"]:
+        lines.append(f"| {row['model']} | {MODE_NAMES.get(row['mode'], row['mode'])} | {row['traffic']} | "
+                     f"{row['median_ms']} | {row['p90_ms']} | {row['samples']} | {row['traffic_requests']} | "
+                     f"{row['host_hit_tokens']} |")
     return "\n".join(lines) + "\n"

@@ -14,7 +14,13 @@ Every request is greedy with ``ignore_eos``, and they are sent one at a time, so
 back the same bytes produce the same token ids and logprobs.
 
 TTFT (``ttft_rounds()``): per prefix length, rounds of a fresh prefix, fillers that evict it from the
-device, the prefix again (a host hit, timed) and once more (a device hit, timed).
+device, the prefix again (a host hit, timed) and once more (a device hit, timed). With ``alternate``
+(the real-size runs), odd rounds time the device hit first, right after the miss, and the host hit
+after the fillers: the order of the two hits never favours one side.
+
+TPOT (``tpot_decoders()``, ``tpot_traffic()``): the steady decode batch, and the request streams that
+run beside it: fresh prompts (each written through to the host: backups) or a ring of prefixes that
+the decoders and each other keep evicting from the device (each request a host hit: loads).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ def expected_evictions(prefixes: int = PREFIXES, prefix: int = PREFIX, suffix: i
 
 
 def ttft_rounds(vocab: int, lengths=(2048, 8192, 32768), *, rounds: int = 5, device_tokens: int,
-                suffix: int = PAGE, seed: int = 1) -> list:
+                suffix: int = PAGE, seed: int = 1, alternate: bool = False) -> list:
     """Per length and round: the prompts of one measurement.
 
     ``warm``: the prefix plus a suffix (full prefill; written through to the host);
@@ -77,8 +83,37 @@ def ttft_rounds(vocab: int, lengths=(2048, 8192, 32768), *, rounds: int = 5, dev
             body = _ids(rng, length, vocab)
             fillers = [_ids(rng, filler_len, vocab) for _ in range(-(-device_tokens // filler_len) + 1)]
             out.append({"length": length, "round": r, "warm": body + _ids(rng, suffix, vocab), "fillers": fillers,
-                        "host": body + _ids(rng, suffix, vocab), "device": body + _ids(rng, suffix, vocab)})
+                        "host": body + _ids(rng, suffix, vocab), "device": body + _ids(rng, suffix, vocab),
+                        "device_first": alternate and r % 2 == 1})
     return out
+
+
+def tpot_decoders(vocab: int, count: int, prompt: int = 128, seed: int = 4) -> list:
+    """``count`` prompts of the steady decode batch (each decoder restarts its own prompt when it ends)."""
+    rng = random.Random(seed)
+    return [_ids(rng, prompt, vocab) for _ in range(count)]
+
+
+def tpot_traffic(vocab: int, kind: str, count: int, *, length: int = 8192, ring: int = 6, suffix: int = PAGE,
+                 seed: int = 5) -> dict:
+    """The requests sent beside the decode batch, in order: ``{"warm": [...], "stream": [...]}``.
+
+    ``backups``: ``count`` fresh prompts of ``length`` tokens (each computed and written through);
+    ``loads``: ``ring`` prefixes of ``length`` tokens, sent first (``warm``, before the timed window),
+    then re-requested in turn with fresh suffixes: each is the least recently used, so the decoders and
+    the ring keep it off the device, and every request of the stream is a host hit;
+    ``quiet``: nothing.
+    The same seed gives every mode the same stream."""
+    rng = random.Random(seed)
+    if kind == "quiet":
+        return {"warm": [], "stream": []}
+    if kind == "backups":
+        return {"warm": [], "stream": [_ids(rng, length, vocab) for _ in range(count)]}
+    if kind == "loads":
+        prefixes = [_ids(rng, length, vocab) for _ in range(ring)]
+        warm = [p + _ids(rng, suffix, vocab) for p in prefixes]
+        return {"warm": warm, "stream": [prefixes[i % ring] + _ids(rng, suffix, vocab) for i in range(count)]}
+    raise ValueError(f"kind must be quiet, backups or loads, not {kind!r}")
 
 
 def decoders(vocab: int, count: int = 8, prompt: int = 512, seed: int = 2) -> list:
