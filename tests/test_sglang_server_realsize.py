@@ -1,0 +1,92 @@
+"""The real-size server runs' planning, requests and tables (issue 36), on the CPU: no engine starts here."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+from sglang_server import models, plan, summary, workload  # noqa: E402
+
+
+def test_real_size_shapes_have_the_real_models_kv_bytes():
+    assert models.kv_row_bytes("mha-8b") == {"row": 4096, "token": 131072, "layers": 32}  # 128 KiB per token
+    assert models.kv_row_bytes("mla-v2lite") == {"row": 1152, "token": 31104, "layers": 27}
+    cfg = models.config("mla-v2lite")
+    assert (cfg["first_k_dense_replace"], cfg["n_routed_experts"], cfg["num_experts_per_tok"]) == (1, 64, 6)
+    assert cfg["q_lora_rank"] is None
+    assert models.config("mla-v2lite-dense")["first_k_dense_replace"] == 27
+    llama = models.config("mha-8b")
+    assert (llama["hidden_size"], llama["intermediate_size"], llama["num_key_value_heads"]) == (4096, 14336, 8)
+
+
+def test_realsize_plan_runs_the_compared_modes_first_with_decode_graphs_on():
+    cells = plan.select(plan.realsize("0.5.17"), only="mha-8b")
+    assert [c.mode for c in cells] == ["upstream", "plugin", "plugin-nojit", "hicache-off"]
+    spec = plan.spec(cells[0], model_dir="/m", vocab=models.VOCAB, port=1)
+    assert spec["extra_args"]["disable_cuda_graph"] is False
+    assert spec["rounds"] >= 7 and spec["lengths"] == [8192, 32768]
+    # one 32K prefix and the TTFT decoders fit the device pool, two prefixes do not: the fillers evict
+    decoders = 8 * (512 + 256)
+    assert 32768 + 64 + decoders < spec["device_tokens"] < 2 * 32768
+    # the host holds a prefix and every filler of its round
+    rounds = workload.ttft_rounds(models.VOCAB, [32768], rounds=1, device_tokens=spec["device_tokens"])
+    fillers = sum(len(f) for f in rounds[0]["fillers"])
+    assert fillers > spec["device_tokens"]
+    assert spec["device_tokens"] * spec["host_ratio"] > 32768 + fillers
+
+
+def test_hits_alternate_their_order_between_rounds():
+    rounds = workload.ttft_rounds(models.VOCAB, (8192, 32768), rounds=7, device_tokens=45056, alternate=True)
+    for length in (8192, 32768):
+        order = [r["device_first"] for r in rounds if r["length"] == length]
+        assert order == [False, True, False, True, False, True, False]
+    assert not any(r["device_first"] for r in workload.ttft_rounds(models.VOCAB, (2048,), rounds=3,
+                                                                    device_tokens=4096))
+
+
+def test_tpot_traffic_is_the_same_stream_for_every_mode():
+    a = workload.tpot_traffic(models.VOCAB, "loads", 12)
+    assert a == workload.tpot_traffic(models.VOCAB, "loads", 12)
+    ring = [w[:8192] for w in a["warm"]]
+    assert len(ring) == 6 and all(s[:8192] in ring for s in a["stream"])  # every request re-uses a ring prefix
+    assert len({tuple(s[8192:]) for s in a["stream"]}) == 12  # with its own suffix
+    b = workload.tpot_traffic(models.VOCAB, "backups", 5)
+    assert b["warm"] == [] and len({tuple(s) for s in b["stream"]}) == 5
+    assert workload.tpot_traffic(models.VOCAB, "quiet", 5) == {"warm": [], "stream": []}
+    with pytest.raises(ValueError, match="kind"):
+        workload.tpot_traffic(models.VOCAB, "writes", 5)
+
+
+def _record(mode, host_hit=8192, device_hit=8192, cached=0):
+    rows = [{"length": 8192, "background": False, "round": i, "device_first": i % 2 == 1,
+             "cold": {"ttft_s": 0.30, "cached": cached},
+             "host": {"ttft_s": 0.060 + 0.001 * i, "host_hit": host_hit, "device_hit": 8192 - host_hit},
+             "device": {"ttft_s": 0.020, "host_hit": 0, "device_hit": device_hit}} for i in range(7)]
+    return {"spec": {"workload": "realsize", "kind": "mha-8b", "mode": mode}, "ok": True, "ttft": rows, "_trace": [],
+            "tpot": [{"traffic": "quiet", "samples": 100, "median_ms": 9.0, "p90_ms": 9.4, "window_s": 10.0,
+                      "requests": [], "host_hit_tokens": 0}]}
+
+
+def test_tables_pair_host_and_device_hits_and_compare_with_the_floor():
+    tables = summary.realsize_tables([_record("plugin")], h2d_gbps=50.0)
+    row = tables["ttft"][0]
+    assert row["host_hits_proven"] == row["device_hits_proven"] == 7
+    assert row["host_minus_device"] == {"median": 43.0, "min": 40.0, "max": 46.0, "n": 7}
+    assert row["floor_ms"] == pytest.approx(8192 * 131072 / 50e9 * 1000, abs=0.01)
+    assert row["of_floor"] == pytest.approx(43.0 / row["floor_ms"], abs=1e-3)
+    text = summary.realsize_markdown(tables)
+    assert "| mha-8b | plugin | 8192 | no |" in text and "| mha-8b | plugin | quiet | 9.0 | 9.4 |" in text
+
+
+def test_a_hit_that_did_not_come_from_the_host_is_not_counted_as_one():
+    # half the prefix still on the device: not a host hit, so no host-hit TTFT and no pair
+    row = summary.realsize_tables([_record("plugin", host_hit=4096)], h2d_gbps=50.0)["ttft"][0]
+    assert row["host"] is None and row["host_minus_device"] is None and row["host_hits_proven"] == 0
+    # a "miss" that found a cached prefix is not a miss
+    row = summary.realsize_tables([_record("upstream", cached=4096)], h2d_gbps=50.0)["ttft"][0]
+    assert row["miss"] is None
+    # no floor measured: no ratio, not a made-up link rate
+    row = summary.realsize_tables([_record("plugin")], h2d_gbps=None)["ttft"][0]
+    assert row["floor_ms"] is None and row["of_floor"] is None
