@@ -90,3 +90,11 @@ def test_a_hit_that_did_not_come_from_the_host_is_not_counted_as_one():
     # no floor measured: no ratio, not a made-up link rate
     row = summary.realsize_tables([_record("plugin")], h2d_gbps=None)["ttft"][0]
     assert row["floor_ms"] is None and row["of_floor"] is None
+
+
+def test_alternated_rounds_reuse_their_fillers_and_they_outnumber_the_device_pool():
+    rounds = workload.ttft_rounds(models.VOCAB, (8192, 32768), rounds=7, device_tokens=45056, alternate=True)
+    assert all(r["fillers"] is rounds[0]["fillers"] for r in rounds)
+    assert sum(len(f) for f in rounds[0]["fillers"]) > 45056
+    prefixes = {tuple(r["warm"][:r["length"]]) for r in rounds}
+    assert len(prefixes) == 14 and not any(tuple(f[:8192]) in prefixes for f in rounds[0]["fillers"])

@@ -74,14 +74,24 @@ def ttft_rounds(vocab: int, lengths=(2048, 8192, 32768), *, rounds: int = 5, dev
     ``fillers``: fresh prompts of ``device_tokens`` tokens in all, which evict the prefix from the device;
     ``host``: the prefix plus another suffix (its prefix is a host hit: the TTFT users feel);
     ``device``: the prefix plus a third suffix (now a device hit).
+
+    With ``alternate`` every round sends the same fillers: computed once in the first round, later they
+    come back from the host (each is the least recently used, so none is on the device when asked for).
+    They are still more recent than the prefix and more tokens than the device holds, so least-recently-
+    used eviction still removes the whole prefix, at the cost of a load instead of a prefill.
     """
     rng = random.Random(seed)
     out = []
     filler_len = 8192
+
+    def fresh_fillers():
+        return [_ids(rng, filler_len, vocab) for _ in range(-(-device_tokens // filler_len) + 1)]
+
+    shared = fresh_fillers() if alternate else None
     for length in lengths:
         for r in range(rounds):
             body = _ids(rng, length, vocab)
-            fillers = [_ids(rng, filler_len, vocab) for _ in range(-(-device_tokens // filler_len) + 1)]
+            fillers = shared if shared is not None else fresh_fillers()
             out.append({"length": length, "round": r, "warm": body + _ids(rng, suffix, vocab), "fillers": fillers,
                         "host": body + _ids(rng, suffix, vocab), "device": body + _ids(rng, suffix, vocab),
                         "device_first": alternate and r % 2 == 1})
