@@ -139,7 +139,7 @@ def spec(cell: Cell, *, model_dir: str, vocab: int, port: int, device_tokens: in
         # the host holds three times that (every prefix and its fillers). 64 requests: the decode batch,
         # the traffic and the TTFT decoders.
         base = {"device_tokens": device_tokens or 45056, "host_ratio": 3.0, "chunk": 8192, "max_running": 64,
-                "mem_fraction": 0.85, "lengths": [8192, 32768], "rounds": 7}
+                "mem_fraction": 0.85, "lengths": [8192, 32768], "rounds": 7, "tpot_window_s": 6.0}
     else:
         base = {"device_tokens": device_tokens or workload.DEVICE_TOKENS, "host_ratio": workload.HOST_RATIO}
     out = {"cell": cell.name, "release": cell.release, "model": model_dir, "kind": cell.model,
