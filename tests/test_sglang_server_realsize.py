@@ -77,7 +77,16 @@ def test_tables_pair_host_and_device_hits_and_compare_with_the_floor():
     assert row["floor_ms"] == pytest.approx(8192 * 131072 / 50e9 * 1000, abs=0.01)
     assert row["of_floor"] == pytest.approx(43.0 / row["floor_ms"], abs=1e-3)
     text = summary.realsize_markdown(tables)
-    assert "| mha-8b | plugin | 8192 | no |" in text and "| mha-8b | plugin | quiet | 9.0 | 9.4 |" in text
+    assert "| mha-8b | plugin | 8192 | no |" in text and "| mha-8b | plugin | quiet | 9.0 | - | 9.4 | - | - |" in text
+
+
+def test_tpot_rows_are_compared_with_hicache_off_under_the_same_traffic():
+    off = _record("hicache-off")
+    off["ttft"] = []
+    off["tpot"][0].update(median_ms=8.0, mean_ms=8.1, p99_ms=9.9)
+    text = summary.realsize_markdown(summary.realsize_tables([_record("plugin"), off], h2d_gbps=50.0))
+    assert "| mha-8b | plugin | quiet | 9.0 | - | 9.4 | - | +12.5% |" in text
+    assert "| mha-8b | HiCache off | quiet | 8.0 | 8.1 | 9.4 | 9.9 | +0.0% |" in text
 
 
 def test_a_hit_that_did_not_come_from_the_host_is_not_counted_as_one():

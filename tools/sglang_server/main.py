@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="cells whose name contains one of these (comma-separated)")
     parser.add_argument("--skip", default="", help="leave out cells whose name contains one of these (comma-separated)")
     parser.add_argument("--rounds", type=int, default=None, help="TTFT rounds per prefix length (default: the plan's 3)")
+    parser.add_argument("--workloads", default="ttft,tpot",
+                        help="realsize: which workloads each engine runs (ttft, tpot or both)")
     parser.add_argument("--label", default="", help="put into the summary's title (e.g. 'unofficial')")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
@@ -117,10 +119,14 @@ def main(argv=None) -> int:
     deadline = started + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
     cells = plan.select(plan.PLANS[args.mode](args.release), only=args.only, skip=args.skip)
-    if args.rounds is not None:
-        for cell in cells:
-            if cell.workload == "ttft":
-                cell.extra["rounds"] = args.rounds
+    workloads = tuple(w for w in args.workloads.split(",") if w)
+    if not workloads or set(workloads) - {"ttft", "tpot"}:
+        parser.error(f"--workloads takes ttft, tpot or ttft,tpot, not {args.workloads!r}")
+    for cell in cells:
+        if args.rounds is not None and cell.workload in ("ttft", "realsize"):
+            cell.extra["rounds"] = args.rounds
+        if cell.workload == "realsize":
+            cell.extra["workloads"] = list(workloads)
     prepared = prepare(args.work, {c.model for c in cells})
     os.environ.update(prepared["env"])
     if args.dry_run:

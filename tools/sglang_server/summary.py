@@ -357,11 +357,16 @@ def realsize_markdown(tables: dict) -> str:
         lines.append(f"| {row['model']} | {MODE_NAMES.get(row['mode'], row['mode'])} | {row['length']} | "
                      f"{'yes' if row['background'] else 'no'} | {_fmt(row['miss'])} | {_fmt(row['device'])} | "
                      f"{_fmt(row['host'])} | {_fmt(row['host_minus_device'])} | {row['floor_ms']} | {row['of_floor']} |")
+    # The baseline of each row: HiCache off under the same traffic (the same request stream, computed
+    # and never written to or read from the host).
+    off = {(r["model"], r["traffic"]): r["median_ms"] for r in tables["tpot"] if r["mode"] == "hicache-off"}
     lines += ["", "## Real-size TPOT (ms per output token of the steady decode batch)", "",
-              "| model | mode | traffic | median | p90 | samples | traffic requests | host-hit tokens |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| model | mode | traffic | median | mean | p90 | p99 | median over HiCache off | samples | "
+              "traffic requests | host-hit tokens |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in tables["tpot"]:
+        base = off.get((row["model"], row["traffic"]))
+        over = f"{(row['median_ms'] / base - 1) * 100:+.1f}%" if base and row["median_ms"] else "-"
         lines.append(f"| {row['model']} | {MODE_NAMES.get(row['mode'], row['mode'])} | {row['traffic']} | "
-                     f"{row['median_ms']} | {row['p90_ms']} | {row['samples']} | {row['traffic_requests']} | "
-                     f"{row['host_hit_tokens']} |")
+                     f"{row['median_ms']} | {row.get('mean_ms', '-')} | {row['p90_ms']} | {row.get('p99_ms', '-')} | "
+                     f"{over} | {row['samples']} | {row['traffic_requests']} | {row['host_hit_tokens']} |")
     return "\n".join(lines) + "\n"
