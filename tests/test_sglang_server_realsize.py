@@ -107,3 +107,15 @@ def test_alternated_rounds_reuse_their_fillers_and_they_outnumber_the_device_poo
     assert sum(len(f) for f in rounds[0]["fillers"]) > 45056
     prefixes = {tuple(r["warm"][:r["length"]]) for r in rounds}
     assert len(prefixes) == 14 and not any(tuple(f[:8192]) in prefixes for f in rounds[0]["fillers"])
+
+
+def test_tpot_alone_runs_its_baseline_then_the_plugin_first():
+    from sglang_server import main as server_main
+
+    cells = server_main.configure(plan.realsize("0.5.17", models=("mha-8b",)), "tpot", rounds=9)
+    assert [c.mode for c in cells][:2] == ["hicache-off", "plugin"]
+    assert all(c.extra["workloads"] == ["tpot"] and c.extra["rounds"] == 9 for c in cells)
+    both = server_main.configure(plan.realsize("0.5.17", models=("mha-8b",)), "ttft,tpot")
+    assert [c.mode for c in both] == list(plan.REALSIZE_MODES)
+    with pytest.raises(ValueError, match="--workloads"):
+        server_main.configure(plan.realsize("0.5.17"), "ttft,decode")

@@ -41,6 +41,21 @@ EXPECT = {"correctness": 100.0, "ttft": 110.0, "realsize": 120.0}
 REALSIZE_MAX_S = 300.0  # one real-size engine's own deadline, from its start: the next mode gets its turn
 
 
+def configure(cells: list, workloads: str, rounds=None) -> list:
+    """The cells with ``--rounds`` and ``--workloads`` applied, in the order they run."""
+    chosen = tuple(w for w in workloads.split(",") if w)
+    if not chosen or set(chosen) - {"ttft", "tpot"}:
+        raise ValueError(f"--workloads takes ttft, tpot or ttft,tpot, not {workloads!r}")
+    for cell in cells:
+        if rounds is not None and cell.workload in ("ttft", "realsize"):
+            cell.extra["rounds"] = rounds
+        if cell.workload == "realsize":
+            cell.extra["workloads"] = list(chosen)
+    if "ttft" not in chosen:  # TPOT alone: its baseline (HiCache off), then the plugin, so a short call has both
+        cells = sorted(cells, key=lambda c: {"hicache-off": 0, "plugin": 1}.get(c.mode, 2))
+    return cells
+
+
 def prepare(work: Path, kinds) -> dict:
     """Models, the logging config and the harness plugin under ``work``; the environment the engines need."""
     work.mkdir(parents=True, exist_ok=True)
@@ -119,14 +134,10 @@ def main(argv=None) -> int:
     deadline = started + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
     cells = plan.select(plan.PLANS[args.mode](args.release), only=args.only, skip=args.skip)
-    workloads = tuple(w for w in args.workloads.split(",") if w)
-    if not workloads or set(workloads) - {"ttft", "tpot"}:
-        parser.error(f"--workloads takes ttft, tpot or ttft,tpot, not {args.workloads!r}")
-    for cell in cells:
-        if args.rounds is not None and cell.workload in ("ttft", "realsize"):
-            cell.extra["rounds"] = args.rounds
-        if cell.workload == "realsize":
-            cell.extra["workloads"] = list(workloads)
+    try:
+        cells = configure(cells, args.workloads, args.rounds)
+    except ValueError as exc:
+        parser.error(str(exc))
     prepared = prepare(args.work, {c.model for c in cells})
     os.environ.update(prepared["env"])
     if args.dry_run:
