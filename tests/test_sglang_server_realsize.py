@@ -119,3 +119,12 @@ def test_tpot_alone_runs_its_baseline_then_the_plugin_first():
     assert [c.mode for c in both] == list(plan.REALSIZE_MODES)
     with pytest.raises(ValueError, match="--workloads"):
         server_main.configure(plan.realsize("0.5.17"), "ttft,decode")
+
+
+def test_the_warm_up_prompt_is_sent_by_no_timed_workload():
+    warm = workload.warm_up(models.VOCAB)
+    assert len(warm) == 8192
+    sent = [r for kind in ("backups", "loads") for part in workload.tpot_traffic(models.VOCAB, kind, 10).values()
+            for r in part]
+    assert all(r[:64] != warm[:64] for r in sent)
+    assert all(r[:64] != warm[:64] for r in workload.tpot_decoders(models.VOCAB, 32))

@@ -146,6 +146,10 @@ def count_package_ops() -> int:
         except TypeError:
             continue
         for name, value in list(namespace.items()):
+            # Functions only: a module may hold lazy proxies (0.5.23's sglang/__init__.py) whose attribute
+            # lookup imports what they stand for, e.g. the engine, which needs uvloop.
+            if not inspect.isfunction(value):
+                continue
             if getattr(value, "__wrapped_by_harness__", False):
                 names += 1
                 continue

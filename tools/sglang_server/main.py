@@ -37,7 +37,9 @@ LOGGING = {"version": 1, "disable_existing_loggers": False,
            "handlers": {"h": {"class": "logging.StreamHandler", "formatter": "f", "stream": "ext://sys.stderr"}},
            "root": {"level": "INFO", "handlers": ["h"]}}
 TIMEOUT = {"correctness": 330.0, "ttft": 480.0, "realsize": 420.0}
-EXPECT = {"correctness": 100.0, "ttft": 110.0, "realsize": 120.0}
+# Not started with less left: a real-size engine starts in 35-100 s and then writes what it measured by its
+# deadline (a TPOT-only engine needs about 30 s more), so a minute left is still worth a start.
+EXPECT = {"correctness": 100.0, "ttft": 110.0, "realsize": 60.0}
 REALSIZE_MAX_S = 300.0  # one real-size engine's own deadline, from its start: the next mode gets its turn
 
 

@@ -126,6 +126,12 @@ def tpot_traffic(vocab: int, kind: str, count: int, *, length: int = 8192, ring:
     raise ValueError(f"kind must be quiet, backups or loads, not {kind!r}")
 
 
+def warm_up(vocab: int, length: int = 8192, seed: int = 6) -> list:
+    """One prompt of ``length`` tokens that no other workload sends: an engine computes it (and a short decode)
+    before a TPOT-only run, so the first timed window does not wait for the kernels' first builds."""
+    return _ids(random.Random(seed), length, vocab)
+
+
 def decoders(vocab: int, count: int = 8, prompt: int = 512, seed: int = 2) -> list:
     """Prompts of the background requests that decode while TTFT is measured."""
     rng = random.Random(seed)
