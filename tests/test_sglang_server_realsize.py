@@ -77,6 +77,7 @@ def test_tables_pair_host_and_device_hits_and_compare_with_the_floor():
     assert row["floor_ms"] == pytest.approx(8192 * 131072 / 50e9 * 1000, abs=0.01)
     assert row["of_floor"] == pytest.approx(43.0 / row["floor_ms"], abs=1e-3)
     text = summary.realsize_markdown(tables)
+    assert row["device_after_miss"]["n"] == 3 and row["device_after_host"]["n"] == 4  # rounds 1, 3, 5 go device first
     assert "| mha-8b | plugin | 8192 | no |" in text and "| mha-8b | plugin | quiet | 9.0 | - | 9.4 | - | - |" in text
 
 

@@ -326,6 +326,10 @@ def realsize_tables(records: list, h2d_gbps: float | None) -> dict:
                 "model": kind, "mode": mode, "length": length, "background": key[1], "rounds": len(sel),
                 "miss": _stats_ms([x["cold"]["ttft_s"] for x in sel if x["cold"]["cached"] == 0]),
                 "device": _stats_ms([x["device"]["ttft_s"] for x in dev_ok]),
+                # What ran just before a device hit changes it: right after the miss, the miss's write-through
+                # backup may still be running; right after the host hit, nothing is.
+                "device_after_miss": _stats_ms([x["device"]["ttft_s"] for x in dev_ok if x.get("device_first")]),
+                "device_after_host": _stats_ms([x["device"]["ttft_s"] for x in dev_ok if not x.get("device_first")]),
                 "host": _stats_ms([x["host"]["ttft_s"] for x in host_ok]),
                 "host_minus_device": delta, "floor_ms": floor,
                 "of_floor": round(delta["median"] / floor, 3) if delta and floor else None,
@@ -351,11 +355,13 @@ def realsize_markdown(tables: dict) -> str:
                      f"{e['start_s']} | {e['workload_s']} | {e['cut'] or '-'} | {ops} |")
     lines += ["", f"## Real-size TTFT (ms: median [min-max] n=rounds), PCIe floor at {tables['h2d_gbps']} GB/s "
              "(contiguous pinned H2D, same call)", "",
-             "| model | mode | prefix | beside decoding | miss | device hit | host hit | host - device (paired) | "
-             "floor | of floor |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | mode | prefix | beside decoding | miss | device hit | device hit after a miss | "
+             "device hit after a host hit | host hit | host - device (paired) | floor | of floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in tables["ttft"]:
         lines.append(f"| {row['model']} | {MODE_NAMES.get(row['mode'], row['mode'])} | {row['length']} | "
                      f"{'yes' if row['background'] else 'no'} | {_fmt(row['miss'])} | {_fmt(row['device'])} | "
+                     f"{_fmt(row.get('device_after_miss'))} | {_fmt(row.get('device_after_host'))} | "
                      f"{_fmt(row['host'])} | {_fmt(row['host_minus_device'])} | {row['floor_ms']} | {row['of_floor']} |")
     # The baseline of each row: HiCache off under the same traffic (the same request stream, computed
     # and never written to or read from the host).
