@@ -7,6 +7,7 @@ import stat
 import subprocess
 import sys
 import tarfile
+import tempfile
 
 import pytest
 
@@ -58,6 +59,21 @@ def test_an_unrelated_v1_directory_is_neither_written_nor_cleaned(cache, capsys)
     with pytest.raises(errors.BadSettingError, match="not made by sglang-hicache-jit"):
         cache.ensure_root()
     assert snapshot(cache.root) == before
+
+
+def test_a_v1_directory_whose_marker_another_process_is_writing_is_ours(cache):
+    # 16 processes creating one cache at once (tests/test_fleet_stress.py): one sees the directory another
+    # just made, with only that one's marker still in its temporary file, and must not refuse it.
+    cache.layout_root.mkdir(parents=True)
+    fd, _ = tempfile.mkstemp(dir=cache.layout_root, prefix="..sglang-hicache-jit.", suffix=".tmp")  # as safeio names it
+    os.close(fd)
+    cache.ensure_root()
+    assert (cache.layout_root / ".sglang-hicache-jit").is_file()
+    # ...but only that name: a file that merely looks like a temp file of another name is someone else's
+    (cache.layout_root / ".sglang-hicache-jit").unlink()
+    (cache.layout_root / ".thesis.k3j9x2q.tmp").write_text("draft")
+    with pytest.raises(errors.BadSettingError, match="not made by sglang-hicache-jit"):
+        cache.ensure_root()
 
 
 @pytest.mark.parametrize("days", ["-1", "0", "nan", "inf", "-inf"])
