@@ -699,6 +699,64 @@ def test_harness_counts_the_package_ops_a_load_calls(monkeypatch, tmp_path):
     assert second["ops"] == {} and second["layer"] == 1  # upstream's op moved these rows
 
 
+class _FakeEvent:
+    """A CUDA event stand-in: recorded at a fake clock, done when the test says so."""
+    clock = [0.0]
+
+    def __init__(self):
+        self.at, self.done = self.clock[0], False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+def test_harness_traces_backups_and_the_gpu_span_of_loads_and_backups(monkeypatch, tmp_path):
+    """A backup line (tokens, the package's ops inside it), and one span per backup and per whole load (first
+    layer to last), read only once the GPU passed the end event, never by waiting, except at exit."""
+    torch = pytest.importorskip("torch")
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("HICACHE_SERVER_TRACE", str(trace))
+    monkeypatch.delenv("HICACHE_SERVER_CORRUPT", raising=False)
+    events = []
+
+    def event():
+        events.append(_FakeEvent())
+        return events[-1]
+
+    monkeypatch.setattr(harness_plugin, "_spans", harness_plugin.Spans())
+    monkeypatch.setattr(harness_plugin.Spans, "_event", staticmethod(event))
+    pool = SimpleNamespace(layer_num=2)
+
+    def backup(self, device_pool, host_indices, device_indices, io_backend):
+        harness_plugin._load.ops["transfer_kv_all_layer_lf_pf"] = int(device_indices.numel())  # as a counted op would
+        _FakeEvent.clock[0] += 2.5
+
+    harness_plugin.backup_hook(backup, pool, None, torch.arange(64), torch.arange(64), "kernel")
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [l["event"] for l in lines] == ["backup"]  # its end event has not passed yet: no span
+    assert lines[0]["ops"] == {"transfer_kv_all_layer_lf_pf": 64} and lines[0]["tokens"] == 64
+    events[1].done = True
+
+    def load(self, device_pool, host_indices, device_indices, layer_id, io_backend):
+        _FakeEvent.clock[0] += 1.0
+
+    for layer in (0, 1):
+        harness_plugin.load_hook(load, pool, None, torch.arange(8), torch.arange(8), layer, "kernel")
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    spans = [l for l in lines if l["event"] == "span"]
+    assert [(s["of"], s["ms"], s["tokens"]) for s in spans] == [("backup", 2.5, 64)]
+    harness_plugin._spans.flush(wait=True)  # at exit: the load's span, first layer's start to last layer's end
+    spans = [json.loads(line) for line in trace.read_text().splitlines() if '"span"' in line]
+    assert [(s["of"], s["ms"], s["tokens"], s.get("layers")) for s in spans] == [("backup", 2.5, 64, None),
+                                                                                 ("load", 2.0, 8, 2)]
+
+
 @pytest.mark.parametrize("pool, device, expect", [
     (SimpleNamespace(_buffer_index_by_layer={3: 1}, device_kv_buffers=["a", "b"]), None, ["b"]),  # MLA 0.5.23
     (SimpleNamespace(device_k_buffers=["k0", "k1"], device_v_buffers=["v0", "v1"]), None, ["k1", "v1"]),  # MHA 0.5.23

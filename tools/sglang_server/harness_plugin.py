@@ -15,6 +15,8 @@ PYTHONPATH, SGLang's own ``load_plugins()`` runs ``register`` in each of its pro
   was asked to load, and ``ops``, the tokens each of this package's ops moved inside that call. So a
   run shows that load-back happened, and that the package (not sgl-kernel or SGLang's JIT kernel)
   moved the rows: the judge (``summary.py``) compares the ops' tokens with the host-hit tokens.
+  Each all-layer backup gets a line too (``backup``: tokens and ops), and each load and backup a ``span``
+  line: its GPU time on the stream it ran on, from CUDA events read without waiting (``Spans``).
 
 How the ops are counted: once the first host pool is built (SGLang has applied every plugin's hooks
 by then), every function of ``sglang_hicache_jit.integrations.sglang.ops`` bound by name in a loaded
@@ -38,7 +40,8 @@ ENTRY = "server_harness"
 _WEIGHTS = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
 _POOLS = ("sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost",
           "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost")
-_lock = threading.Lock()
+_lock = threading.Lock()  # the trace file
+_span_lock = threading.Lock()  # Spans' state (never held while tracing)
 
 
 def install(dest: Path) -> Path:
@@ -160,19 +163,107 @@ def count_package_ops() -> int:
     return names
 
 
-def load_hook(original, self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs):
+class Spans:
+    """GPU time of the pools' transfers on the stream they run on, without waiting for the GPU: a CUDA event
+    is recorded before and after, and each pair is read (one ``span`` trace line) once the GPU has passed
+    its second event, at a later hook call or at ``flush``. A load's span runs from its first layer's
+    start to its last layer's end; a backup's is the one call. Both include what the stream waits for
+    (SGLang's write stream first waits for the compute stream)."""
+
+    def __init__(self):
+        self.pending = []  # [what, start event, end event]
+        self.open_loads = {}  # id(pool) -> [start event, tokens]
+        self.next_id = 0
+
+    @staticmethod
+    def _event():
+        try:
+            import torch
+            if not torch.cuda.is_available():
+                return None
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        except Exception:  # noqa: BLE001 - timing is an extra; never break a transfer
+            return None
+
+    def start(self):
+        return self._event()
+
+    def end(self, what: dict, start) -> None:
+        if start is None:
+            return
+        end = self._event()
+        if end is not None:
+            self.pending.append((what, start, end))
+
+    def flush(self, wait: bool) -> None:
+        """Traces the spans whose end the GPU has passed (every one, waiting for it, with ``wait``)."""
+        done = []
+        with _span_lock:
+            keep = []
+            for what, start, end in self.pending:
+                try:
+                    if not wait and not end.query():
+                        keep.append((what, start, end))
+                        continue
+                    end.synchronize()
+                    done.append(dict(what, event="span", ms=round(start.elapsed_time(end), 4)))
+                except Exception:  # noqa: BLE001 - timing is an extra
+                    continue
+            self.pending = keep
+        for record in done:
+            trace(record)
+
+
+_spans = Spans()
+
+
+def _counting(call):
+    """Runs ``call()`` with this thread's op counts; returns (its result, {op: tokens})."""
     outer = getattr(_load, "ops", None)
     _load.ops = {}
     try:
-        result = original(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
-        ops = _load.ops
+        return call(), _load.ops
     finally:
         _load.ops = outer
+
+
+def load_hook(original, self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs):
+    with _span_lock:
+        layers = getattr(self, "layer_num", None)
+        if int(layer_id) == 0:  # a load's first layer (SGLang's controller loads layers 0..layer_num-1 in order)
+            _spans.open_loads[id(self)] = [_spans.start(), int(device_indices.numel())]
+    result, ops = _counting(lambda: original(self, device_pool, host_indices, device_indices, layer_id, io_backend,
+                                             **kwargs))
+    with _span_lock:
+        begun = _spans.open_loads.get(id(self))
+        if begun is not None and layers is not None and int(layer_id) == layers - 1:
+            del _spans.open_loads[id(self)]
+            _spans.next_id += 1
+            _spans.end({"of": "load", "pool": type(self).__name__, "tokens": begun[1], "layers": layers,
+                        "io_backend": io_backend, "n": _spans.next_id}, begun[0])
+    _spans.flush(wait=False)
     trace({"event": "load", "pool": type(self).__name__, "layer": int(layer_id), "tokens": int(device_indices.numel()),
            "io_backend": io_backend, "ops": ops, "corrupt": os.environ.get("HICACHE_SERVER_CORRUPT", "")})
     if os.environ.get("HICACHE_SERVER_CORRUPT") == "zero":
         for rows in device_rows(self, device_pool, layer_id, kwargs.get("is_draft", False)):
             rows.index_fill_(0, device_indices.to(rows.device).long(), 0)
+    return result
+
+
+def backup_hook(original, self, device_pool, host_indices, device_indices, io_backend, **kwargs):
+    """Each all-layer backup: its tokens, the package's ops inside it, and its span on the stream."""
+    with _span_lock:
+        start = _spans.start()
+    result, ops = _counting(lambda: original(self, device_pool, host_indices, device_indices, io_backend, **kwargs))
+    tokens = int(device_indices.numel())
+    with _span_lock:
+        _spans.next_id += 1
+        _spans.end({"of": "backup", "pool": type(self).__name__, "tokens": tokens, "io_backend": io_backend,
+                    "n": _spans.next_id}, start)
+    _spans.flush(wait=False)
+    trace({"event": "backup", "pool": type(self).__name__, "tokens": tokens, "io_backend": io_backend, "ops": ops})
     return result
 
 
@@ -197,5 +288,9 @@ def register() -> None:
     HookRegistry.register(_WEIGHTS, dummy_weights, HookType.REPLACE)
     for pool in _POOLS:
         HookRegistry.register(f"{pool}.load_to_device_per_layer", load_hook, HookType.AROUND)
+        HookRegistry.register(f"{pool}.backup_from_device_all_layer", backup_hook, HookType.AROUND)
         HookRegistry.register(f"{pool}.__init__", pool_built, HookType.AFTER)
     trace({"event": "registered", "corrupt": os.environ.get("HICACHE_SERVER_CORRUPT", "")})
+    import atexit
+
+    atexit.register(lambda: _spans.flush(wait=True))

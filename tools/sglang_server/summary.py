@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 from sglang_server import plan
@@ -132,6 +133,28 @@ def package_ops(record: dict) -> dict:
             "loaded": sum(e.get("tokens", 0) for e in at_first),
             "loads": len(loads), "short": sum(1 for e in loads if sum(e["ops"].values()) < e.get("tokens", 0)),
             "any": sum(sum(e["ops"].values()) for e in loads), "host_hit_tokens": record.get("host_hit_tokens", 0)}
+
+
+def transfer_spans(record: dict, token_bytes: int) -> dict:
+    """The GPU spans the harness traced (harness_plugin.Spans): per all-layer backup and per whole load,
+    medians by token count (ms, and GB/s of the KV moved), so a run says what each transfer took on its
+    stream, and the ops inside each backup (``backup_ops``: tokens per op, over every backup)."""
+    out: dict = {"backup": {}, "load": {}, "backup_ops": {}}
+    spans = [e for e in record.get("_trace", []) if e.get("event") == "span" and e.get("ms")]
+    for kind in ("backup", "load"):
+        by_tokens: dict = {}
+        for e in spans:
+            if e.get("of") == kind:
+                by_tokens.setdefault(int(e.get("tokens", 0)), []).append(float(e["ms"]))
+        for tokens, ms in sorted(by_tokens.items()):
+            median = statistics.median(ms)
+            out[kind][tokens] = {"n": len(ms), "ms": round(median, 3),
+                                 "gbps": round(tokens * token_bytes / (median * 1e6), 2) if median > 0 else None}
+    for e in record.get("_trace", []):
+        if e.get("event") == "backup":
+            for op, tokens in (e.get("ops") or {}).items():
+                out["backup_ops"][op] = out["backup_ops"].get(op, 0) + tokens
+    return out
 
 
 def _package_ok(mode: str, ops: dict) -> bool:
@@ -311,7 +334,8 @@ def realsize_tables(records: list, h2d_gbps: float | None) -> dict:
         engines.append({"model": kind, "mode": mode, "ok": r.get("ok"), "error": r.get("error", "")[:300],
                         "start_s": r.get("engine_start_s"), "workload_s": r.get("workload_s"),
                         "cut": r.get("ttft_cut") or r.get("tpot_cut"), "effective": r.get("effective"),
-                        "dropped_args": r.get("dropped_args"), "package_ops": package_ops(r)})
+                        "dropped_args": r.get("dropped_args"), "package_ops": package_ops(r),
+                        "spans": transfer_spans(r, models.kv_row_bytes(kind)["token"])})
         token_bytes = models.kv_row_bytes(kind)["token"]
         rows = r.get("ttft", [])
         for key in sorted({(x["length"], x["background"]) for x in rows}):
@@ -353,6 +377,16 @@ def realsize_markdown(tables: dict) -> str:
             f" (loaded {po['loaded']}, loads {po['loads']}, short {po['short']})"
         lines.append(f"| {e['model']} | {MODE_NAMES.get(e['mode'], e['mode'])} | {'yes' if e['ok'] else e['error']} | "
                      f"{e['start_s']} | {e['workload_s']} | {e['cut'] or '-'} | {ops} |")
+    lines += ["", "## Transfers on their streams (harness spans: ms median and GB/s, n, by tokens)", "",
+              "| model | mode | transfer | tokens | n | ms | GB/s | ops inside the backups |", "|---|---|---|---|---|---|---|---|"]
+    for e in tables.get("engines", []):
+        spans = e.get("spans") or {}
+        ops = ", ".join(f"{op} {n}" for op, n in sorted(spans.get("backup_ops", {}).items())) or "none"
+        for kind in ("load", "backup"):
+            for tokens, row in spans.get(kind, {}).items():
+                if int(tokens) >= 1024:  # the prefixes and chunks; a page of a short suffix says little
+                    lines.append(f"| {e['model']} | {MODE_NAMES.get(e['mode'], e['mode'])} | {kind} | {tokens} | "
+                                 f"{row['n']} | {row['ms']} | {row['gbps']} | {ops if kind == 'backup' else '-'} |")
     lines += ["", f"## Real-size TTFT (ms: median [min-max] n=rounds), PCIe floor at {tables['h2d_gbps']} GB/s "
              "(contiguous pinned H2D, same call)", "",
              "| model | mode | prefix | beside decoding | miss | device hit | device hit after a miss | "
