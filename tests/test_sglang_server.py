@@ -909,9 +909,9 @@ class HookRegistry:
             obj_path, name = target.rsplit(".", 1)
             try:
                 obj = pkgutil.resolve_name(obj_path)
+                original = wrapped = getattr(obj, name)
             except (ImportError, AttributeError):
-                continue  # SGLang logs the exception and goes on
-            original = wrapped = getattr(obj, name)
+                continue  # SGLang logs the exception and goes on (a target this stand-in lacks, too)
             for hook_type, hook in sorted(hooks, key=lambda h: h[0] is not HookType.REPLACE):
                 wrapped = _wrap(wrapped, hook, hook_type)
             setattr(obj, name, wrapped)
