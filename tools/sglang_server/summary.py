@@ -246,7 +246,8 @@ def _verdict(checks: dict, equal_modes: list) -> str:
                             f"{ops['moved']} of {ops['host_hit_tokens']} host-hit tokens at the first layer, "
                             f"{ops['short']} of {ops['loads']} loads short, {ops['any']} tokens in all)")
     if checks["error_lines"]:
-        problems.append("error lines in a log")
+        first = sorted(checks["error_lines"].items())[0]
+        problems.append(f"error lines in a log ({first[0]}: {first[1][0][:200]!r})")
     if not all(checks["start_line"].values()) or not all(checks["pool_line"].values()):
         problems.append("a plugin run lacks the start line or the per-pool line")
     return "pass" if not problems else "fail: " + "; ".join(problems)
