@@ -82,12 +82,22 @@ def read_regular(path: Path | str, limit: int, *, check=None) -> bytes:
     return data
 
 
+_TEMP_SUFFIX = ".tmp"
+
+
+def is_temp_of(entry: os.DirEntry, name: str) -> bool:
+    """Whether ``entry`` is write_atomic's temporary file for ``name`` in the same directory, before its rename:
+    a regular file (never a link) named ``.<name>.<random>.tmp``."""
+    return (entry.name.startswith(f".{name}.") and entry.name.endswith(_TEMP_SUFFIX)
+            and entry.is_file(follow_symlinks=False))
+
+
 def write_atomic(path: Path | str, data: bytes, mode: int = 0o600, *, check=None) -> None:
     """Writes ``data`` to ``path`` through a random temporary file in the same
     directory, then one rename: readers see the old or the new file, whole.
     ``check(path)``, when given, runs again just before the rename."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

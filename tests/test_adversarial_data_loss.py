@@ -69,11 +69,17 @@ def test_a_v1_directory_whose_marker_another_process_is_writing_is_ours(cache):
     os.close(fd)
     cache.ensure_root()
     assert (cache.layout_root / ".sglang-hicache-jit").is_file()
-    # ...but only that name: a file that merely looks like a temp file of another name is someone else's
-    (cache.layout_root / ".sglang-hicache-jit").unlink()
-    (cache.layout_root / ".thesis.k3j9x2q.tmp").write_text("draft")
-    with pytest.raises(errors.BadSettingError, match="not made by sglang-hicache-jit"):
-        cache.ensure_root()
+    # ...but only that name, as a regular file: a temp file of another name, or a link under the marker's
+    # temp name, is someone else's
+    for planted in (".thesis.k3j9x2q.tmp", "..sglang-hicache-jit.k3j9x2q.tmp"):
+        for entry in cache.layout_root.iterdir():
+            entry.unlink()
+        if planted.startswith(".."):
+            os.symlink("/etc/passwd", cache.layout_root / planted)
+        else:
+            (cache.layout_root / planted).write_text("draft")
+        with pytest.raises(errors.BadSettingError, match="not made by sglang-hicache-jit"):
+            cache.ensure_root()
 
 
 @pytest.mark.parametrize("days", ["-1", "0", "nan", "inf", "-inf"])

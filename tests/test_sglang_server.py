@@ -730,7 +730,7 @@ def test_harness_traces_backups_and_the_gpu_span_of_loads_and_backups(monkeypatc
         return events[-1]
 
     monkeypatch.setattr(harness_plugin, "_spans", harness_plugin.Spans())
-    monkeypatch.setattr(harness_plugin.Spans, "_event", staticmethod(event))
+    monkeypatch.setattr(harness_plugin.Spans, "event", staticmethod(event))
     pool = SimpleNamespace(layer_num=2)
 
     def backup(self, device_pool, host_indices, device_indices, io_backend):

@@ -381,16 +381,12 @@ def _only_our_names(layout_dir: Path) -> bool:
     """An unmarked layout directory that holds nothing but names this package
     makes (a cache from before the marker existed, or an empty directory)."""
     for child in os.scandir(layout_dir):
+        # safeio.is_temp_of: another process's marker before its rename (processes that create one cache at
+        # the same moment see each other's)
         if not (child.name in _SERVICE_DIRS or child.name == LAYOUT_MARKER or ARCH_TAG.match(child.name)
-                or _marker_in_flight(child.name)):
+                or safeio.is_temp_of(child, LAYOUT_MARKER)):
             return False
     return True
-
-
-def _marker_in_flight(name: str) -> bool:
-    """The temporary file of another process's marker, before its rename (safeio.write_atomic names it
-    ``.<marker>.<random>.tmp``): processes that create one cache at the same moment see each other's."""
-    return name.startswith(f".{LAYOUT_MARKER}.") and name.endswith(".tmp")
 
 
 def entry_size(path: Path) -> int:

@@ -179,8 +179,9 @@ def run_realsize(engine, spec: dict, record: dict) -> None:
     alternated order, alone then beside decoding; not with HiCache off), then TPOT under each traffic."""
     from sglang_server import workload
 
+    workloads = spec.get("workloads", ("ttft", "tpot"))
     record["ttft"] = []
-    if spec.get("mode") != "hicache-off" and "ttft" in spec.get("workloads", ("ttft", "tpot")):
+    if spec.get("mode") != "hicache-off" and "ttft" in workloads:
         for background in (False, True):  # fresh prefixes for each: nothing is cached from the first pass
             rounds = workload.ttft_rounds(spec["vocab"], spec.get("lengths", (8192, 32768)),
                                           rounds=spec.get("rounds", 7), device_tokens=spec["device_tokens"],
@@ -188,12 +189,13 @@ def run_realsize(engine, spec: dict, record: dict) -> None:
             engine.loop.run_until_complete(_measure(engine, spec, rounds, background, record))
         record["ttft_summary"] = summarize_ttft(record["ttft"])
     record["tpot"] = []
-    traffics = spec.get("traffics", ("quiet", "backups", "loads"))
-    if not record["ttft"] and "tpot" in spec.get("workloads", ("ttft", "tpot")):
+    if "tpot" not in workloads:
+        return
+    if not record["ttft"]:
         # Nothing has run yet: without this the first window can end before the decoders' first tokens
         # (on a fresh machine HiCache off's quiet window got no sample, its first prefill still compiling).
         record["warm_up_s"] = round(engine.loop.run_until_complete(_warm_up(engine, spec)), 2)
-    for traffic in traffics if "tpot" in spec.get("workloads", ("ttft", "tpot")) else ():
+    for traffic in spec.get("traffics", ("quiet", "backups", "loads")):
         if time.time() > spec.get("deadline", float("inf")) - spec.get("tpot_window_s", 10.0) - 5:
             record["tpot_cut"] = traffic
             break

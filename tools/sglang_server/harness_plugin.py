@@ -173,10 +173,10 @@ class Spans:
     def __init__(self):
         self.pending = []  # [what, start event, end event]
         self.open_loads = {}  # id(pool) -> [start event, tokens]
-        self.next_id = 0
 
     @staticmethod
-    def _event():
+    def event():
+        """A timing event recorded now on the current stream (None without a GPU)."""
         try:
             import torch
             if not torch.cuda.is_available():
@@ -187,13 +187,10 @@ class Spans:
         except Exception:  # noqa: BLE001 - timing is an extra; never break a transfer
             return None
 
-    def start(self):
-        return self._event()
-
     def end(self, what: dict, start) -> None:
         if start is None:
             return
-        end = self._event()
+        end = self.event()
         if end is not None:
             self.pending.append((what, start, end))
 
@@ -233,16 +230,15 @@ def load_hook(original, self, device_pool, host_indices, device_indices, layer_i
     with _span_lock:
         layers = getattr(self, "layer_num", None)
         if int(layer_id) == 0:  # a load's first layer (SGLang's controller loads layers 0..layer_num-1 in order)
-            _spans.open_loads[id(self)] = [_spans.start(), int(device_indices.numel())]
+            _spans.open_loads[id(self)] = [Spans.event(), int(device_indices.numel())]
     result, ops = _counting(lambda: original(self, device_pool, host_indices, device_indices, layer_id, io_backend,
                                              **kwargs))
     with _span_lock:
         begun = _spans.open_loads.get(id(self))
         if begun is not None and layers is not None and int(layer_id) == layers - 1:
             del _spans.open_loads[id(self)]
-            _spans.next_id += 1
             _spans.end({"of": "load", "pool": type(self).__name__, "tokens": begun[1], "layers": layers,
-                        "io_backend": io_backend, "n": _spans.next_id}, begun[0])
+                        "io_backend": io_backend}, begun[0])
     _spans.flush(wait=False)
     trace({"event": "load", "pool": type(self).__name__, "layer": int(layer_id), "tokens": int(device_indices.numel()),
            "io_backend": io_backend, "ops": ops, "corrupt": os.environ.get("HICACHE_SERVER_CORRUPT", "")})
@@ -254,14 +250,11 @@ def load_hook(original, self, device_pool, host_indices, device_indices, layer_i
 
 def backup_hook(original, self, device_pool, host_indices, device_indices, io_backend, **kwargs):
     """Each all-layer backup: its tokens, the package's ops inside it, and its span on the stream."""
-    with _span_lock:
-        start = _spans.start()
+    start = Spans.event()
     result, ops = _counting(lambda: original(self, device_pool, host_indices, device_indices, io_backend, **kwargs))
     tokens = int(device_indices.numel())
     with _span_lock:
-        _spans.next_id += 1
-        _spans.end({"of": "backup", "pool": type(self).__name__, "tokens": tokens, "io_backend": io_backend,
-                    "n": _spans.next_id}, start)
+        _spans.end({"of": "backup", "pool": type(self).__name__, "tokens": tokens, "io_backend": io_backend}, start)
     _spans.flush(wait=False)
     trace({"event": "backup", "pool": type(self).__name__, "tokens": tokens, "io_backend": io_backend, "ops": ops})
     return result

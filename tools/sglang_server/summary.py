@@ -332,12 +332,12 @@ def realsize_tables(records: list, h2d_gbps: float | None) -> dict:
         if spec.get("workload") != "realsize":
             continue
         kind, mode = spec.get("kind"), spec.get("mode")
+        token_bytes = models.kv_row_bytes(kind)["token"]
         engines.append({"model": kind, "mode": mode, "ok": r.get("ok"), "error": r.get("error", "")[:300],
                         "start_s": r.get("engine_start_s"), "workload_s": r.get("workload_s"),
                         "cut": r.get("ttft_cut") or r.get("tpot_cut"), "effective": r.get("effective"),
                         "dropped_args": r.get("dropped_args"), "package_ops": package_ops(r),
-                        "spans": transfer_spans(r, models.kv_row_bytes(kind)["token"])})
-        token_bytes = models.kv_row_bytes(kind)["token"]
+                        "spans": transfer_spans(r, token_bytes)})
         rows = r.get("ttft", [])
         for key in sorted({(x["length"], x["background"]) for x in rows}):
             sel = [x for x in rows if (x["length"], x["background"]) == key]
