@@ -736,6 +736,7 @@ def test_harness_traces_backups_and_the_gpu_span_of_loads_and_backups(monkeypatc
     def backup(self, device_pool, host_indices, device_indices, io_backend):
         harness_plugin._load.ops["transfer_kv_all_layer_lf_pf"] = int(device_indices.numel())  # as a counted op would
         _FakeEvent.clock[0] += 2.5
+        time.sleep(0.02)  # a backup that holds the scheduler's thread (a sync): its host time shows it
 
     harness_plugin.backup_hook(backup, pool, None, torch.arange(64), torch.arange(64), "kernel")
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
@@ -745,6 +746,7 @@ def test_harness_traces_backups_and_the_gpu_span_of_loads_and_backups(monkeypatc
 
     def load(self, device_pool, host_indices, device_indices, layer_id, io_backend):
         _FakeEvent.clock[0] += 1.0
+        time.sleep(0.005)
 
     for layer in (0, 1):
         harness_plugin.load_hook(load, pool, None, torch.arange(8), torch.arange(8), layer, "kernel")
@@ -755,6 +757,8 @@ def test_harness_traces_backups_and_the_gpu_span_of_loads_and_backups(monkeypatc
     spans = [json.loads(line) for line in trace.read_text().splitlines() if '"span"' in line]
     assert [(s["of"], s["ms"], s["tokens"], s.get("layers")) for s in spans] == [("backup", 2.5, 64, None),
                                                                                  ("load", 2.0, 8, 2)]
+    # the scheduler's time in the calls: the backup's one call, and the load's two layers summed
+    assert 20.0 <= spans[0]["host_ms"] < 1000.0 and 10.0 <= spans[1]["host_ms"] < 1000.0
 
 
 @pytest.mark.parametrize("pool, device, expect", [

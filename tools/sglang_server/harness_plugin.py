@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 NAME = "sglang-server-harness"
@@ -168,11 +169,14 @@ class Spans:
     is recorded before and after, and each pair is read (one ``span`` trace line) once the GPU has passed
     its second event, at a later hook call or at ``flush``. A load's span runs from its first layer's
     start to its last layer's end; a backup's is the one call. Both include what the stream waits for
-    (SGLang's write stream first waits for the compute stream)."""
+    (SGLang's write stream first waits for the compute stream). Each span also carries ``host_ms``: the
+    time the calling thread (SGLang's scheduler) spent inside the pool's calls, summed over a load's
+    layers, which shows a transfer that blocks the scheduler (a device sync, a pageable copy) where the
+    GPU span alone cannot."""
 
     def __init__(self):
         self.pending = []  # [what, start event, end event]
-        self.open_loads = {}  # id(pool) -> [start event, tokens]
+        self.open_loads = {}  # id(pool) -> [start event, tokens, host seconds so far]
 
     @staticmethod
     def event():
@@ -230,15 +234,19 @@ def load_hook(original, self, device_pool, host_indices, device_indices, layer_i
     with _span_lock:
         layers = getattr(self, "layer_num", None)
         if int(layer_id) == 0:  # a load's first layer (SGLang's controller loads layers 0..layer_num-1 in order)
-            _spans.open_loads[id(self)] = [Spans.event(), int(device_indices.numel())]
+            _spans.open_loads[id(self)] = [Spans.event(), int(device_indices.numel()), 0.0]
+    began = time.perf_counter()
     result, ops = _counting(lambda: original(self, device_pool, host_indices, device_indices, layer_id, io_backend,
                                              **kwargs))
+    host_s = time.perf_counter() - began
     with _span_lock:
         begun = _spans.open_loads.get(id(self))
+        if begun is not None:
+            begun[2] += host_s
         if begun is not None and layers is not None and int(layer_id) == layers - 1:
             del _spans.open_loads[id(self)]
             _spans.end({"of": "load", "pool": type(self).__name__, "tokens": begun[1], "layers": layers,
-                        "io_backend": io_backend}, begun[0])
+                        "io_backend": io_backend, "host_ms": round(begun[2] * 1e3, 4)}, begun[0])
     _spans.flush(wait=False)
     trace({"event": "load", "pool": type(self).__name__, "layer": int(layer_id), "tokens": int(device_indices.numel()),
            "io_backend": io_backend, "ops": ops, "corrupt": os.environ.get("HICACHE_SERVER_CORRUPT", "")})
@@ -251,10 +259,13 @@ def load_hook(original, self, device_pool, host_indices, device_indices, layer_i
 def backup_hook(original, self, device_pool, host_indices, device_indices, io_backend, **kwargs):
     """Each all-layer backup: its tokens, the package's ops inside it, and its span on the stream."""
     start = Spans.event()
+    began = time.perf_counter()
     result, ops = _counting(lambda: original(self, device_pool, host_indices, device_indices, io_backend, **kwargs))
+    host_ms = round((time.perf_counter() - began) * 1e3, 4)
     tokens = int(device_indices.numel())
     with _span_lock:
-        _spans.end({"of": "backup", "pool": type(self).__name__, "tokens": tokens, "io_backend": io_backend}, start)
+        _spans.end({"of": "backup", "pool": type(self).__name__, "tokens": tokens, "io_backend": io_backend,
+                    "host_ms": host_ms}, start)
     _spans.flush(wait=False)
     trace({"event": "backup", "pool": type(self).__name__, "tokens": tokens, "io_backend": io_backend, "ops": ops})
     return result

@@ -138,18 +138,21 @@ def package_ops(record: dict) -> dict:
 def transfer_spans(record: dict, token_bytes: int) -> dict:
     """The GPU spans the harness traced (harness_plugin.Spans): per all-layer backup and per whole load,
     medians by token count (ms, and GB/s of the KV moved), so a run says what each transfer took on its
-    stream, and the ops inside each backup (``backup_ops``: tokens per op, over every backup)."""
+    stream; ``host_ms``, the median time the scheduler's thread spent in the pool's calls (None where the
+    trace has none); and the ops inside each backup (``backup_ops``: tokens per op, over every backup)."""
     out: dict = {"backup": {}, "load": {}, "backup_ops": {}}
     spans = [e for e in record.get("_trace", []) if e.get("event") == "span" and e.get("ms")]
     for kind in ("backup", "load"):
         by_tokens: dict = {}
         for e in spans:
             if e.get("of") == kind:
-                by_tokens.setdefault(int(e.get("tokens", 0)), []).append(float(e["ms"]))
-        for tokens, ms in sorted(by_tokens.items()):
-            median = statistics.median(ms)
-            out[kind][tokens] = {"n": len(ms), "ms": round(median, 3),
-                                 "gbps": round(tokens * token_bytes / (median * 1e6), 2) if median > 0 else None}
+                by_tokens.setdefault(int(e.get("tokens", 0)), []).append(e)
+        for tokens, records in sorted(by_tokens.items()):
+            median = statistics.median(float(e["ms"]) for e in records)
+            host = [float(e["host_ms"]) for e in records if e.get("host_ms") is not None]
+            out[kind][tokens] = {"n": len(records), "ms": round(median, 3),
+                                 "gbps": round(tokens * token_bytes / (median * 1e6), 2) if median > 0 else None,
+                                 "host_ms": round(statistics.median(host), 3) if host else None}
     for e in record.get("_trace", []):
         if e.get("event") == "backup":
             for op, tokens in (e.get("ops") or {}).items():
@@ -379,7 +382,8 @@ def realsize_markdown(tables: dict) -> str:
         lines.append(f"| {e['model']} | {MODE_NAMES.get(e['mode'], e['mode'])} | {'yes' if e['ok'] else e['error']} | "
                      f"{e['start_s']} | {e['workload_s']} | {e['cut'] or '-'} | {ops} |")
     lines += ["", "## Transfers on their streams (harness spans: ms median and GB/s, n, by tokens)", "",
-              "| model | mode | transfer | tokens | n | ms | GB/s | ops inside the backups |", "|---|---|---|---|---|---|---|---|"]
+              "| model | mode | transfer | tokens | n | ms | GB/s | scheduler's ms in the calls | ops inside the backups |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for e in tables.get("engines", []):
         spans = e.get("spans") or {}
         ops = ", ".join(f"{op} {n}" for op, n in sorted(spans.get("backup_ops", {}).items())) or "none"
@@ -387,7 +391,9 @@ def realsize_markdown(tables: dict) -> str:
             for tokens, row in spans.get(kind, {}).items():
                 if int(tokens) >= 1024:  # the prefixes and chunks; a page of a short suffix says little
                     lines.append(f"| {e['model']} | {MODE_NAMES.get(e['mode'], e['mode'])} | {kind} | {tokens} | "
-                                 f"{row['n']} | {row['ms']} | {row['gbps']} | {ops if kind == 'backup' else '-'} |")
+                                 f"{row['n']} | {row['ms']} | {row['gbps']} | "
+                                 f"{'-' if row.get('host_ms') is None else row['host_ms']} | "
+                                 f"{ops if kind == 'backup' else '-'} |")
     lines += ["", f"## Real-size TTFT (ms: median [min-max] n=rounds), PCIe floor at {tables['h2d_gbps']} GB/s "
              "(contiguous pinned H2D, same call)", "",
              "| model | mode | prefix | beside decoding | miss | device hit | device hit after a miss | "
