@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
-from sglang_server import models, plan, summary, workload  # noqa: E402
+from sglang_server import engine_cell, models, plan, summary, workload  # noqa: E402
 
 
 def test_real_size_shapes_have_the_real_models_kv_bytes():
@@ -120,6 +120,18 @@ def test_tpot_alone_runs_its_baseline_then_the_plugin_first():
     assert [c.mode for c in both] == list(plan.REALSIZE_MODES)
     with pytest.raises(ValueError, match="--workloads"):
         server_main.configure(plan.realsize("0.5.17"), "ttft,decode")
+
+
+def test_order_runs_the_named_modes_first_and_refuses_an_unknown_one():
+    from sglang_server import main as server_main
+
+    cells = server_main.configure(plan.realsize("0.5.17", models=("mha-8b",)), "ttft", order="plugin,upstream")
+    assert [c.mode for c in cells] == ["plugin", "upstream", "plugin-nojit", "hicache-off"]
+    tpot = server_main.configure(plan.realsize("0.5.17", models=("mha-8b",)), "tpot", order="upstream")
+    assert [c.mode for c in tpot] == ["upstream", "hicache-off", "plugin", "plugin-nojit"]
+    with pytest.raises(ValueError, match="--order"):
+        server_main.configure(plan.realsize("0.5.17"), "ttft", order="plugin,upstrem")
+    assert set(plan.ALL_MODES) == set(engine_cell.MODES)
 
 
 def test_the_warm_up_prompt_is_sent_by_no_timed_workload():

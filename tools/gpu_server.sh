@@ -13,8 +13,9 @@
 # over an earlier carry's files); this package goes in editable (so SGLang finds its entry point); every
 # server module must import (seconds, all failures at once); this package's kernel is built; then
 # tools/sglang_server/main.py runs per mode, which leaves <mode>-summary.md, <mode>-summary.json and
-# <mode>-cells.tar.gz in $OUT (with imports.json: 7 files for two modes, within the 8 a call returns).
-# Extra arguments go to main.py (--budget-s, --parallel, --only A,B, --skip A,B, --rounds N, --dry-run).
+# <mode>-cells.tar.gz in $OUT (with imports.json and gpu-clocks.csv: 8 files for two modes, the most a call
+# returns).
+# Extra arguments go to main.py (--budget-s, --parallel, --only A,B, --skip A,B, --rounds N, --order A,B, --dry-run).
 # carry.json's env (e.g. SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 for a cross-pinned carry, whose results are
 # labelled unofficial, or SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python for 0.5.23) is exported as data:
 # install.py checks each name and writes NAME=value items that are exported as they are, never evaluated.
@@ -42,6 +43,13 @@ if ! python3 tools/sglang_server/server_imports.py > "$OUT/imports.json" 2> "$SR
 fi
 echo "== server modules import ($((SECONDS - T0)) s)"
 python3 -m sglang_hicache_jit prewarm > "$SRV/prewarm.log" 2>&1 &
+# The GPU's clocks, power, heat and throttle reasons every second, so that a call tells a mode's cost from the
+# machine's drift over the call (engines run one after another); the runner prints when each engine ended.
+CLOCKS=""
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -l 1 > "$OUT/gpu-clocks.csv" 2> /dev/null & CLOCKS=$!
+fi
 END=$(( T0 + ${SRV_WALL_S:-540} - 30 ))  # leave time to write and return
 rc=0
 for item in ${MODES//,/ }; do
@@ -60,5 +68,6 @@ for item in ${MODES//,/ }; do
     --budget-s "$(( secs - 15 ))" $dry "$@" || rc=1
 done
 tail -2 "$SRV/prewarm.log" || true
+if [ -n "$CLOCKS" ]; then kill "$CLOCKS" 2> /dev/null || true; fi
 echo "== done in $((SECONDS - T0)) s (rc $rc)"
 exit $rc

@@ -43,8 +43,10 @@ EXPECT = {"correctness": 100.0, "ttft": 110.0, "realsize": 60.0}
 REALSIZE_MAX_S = 300.0  # one real-size engine's own deadline, from its start: the next mode gets its turn
 
 
-def configure(cells: list, workloads: str, rounds=None) -> list:
-    """The cells with ``--rounds`` and ``--workloads`` applied, in the order they run."""
+def configure(cells: list, workloads: str, rounds=None, order: str = "") -> list:
+    """The cells with ``--rounds`` and ``--workloads`` applied, in the order they run: ``--order``'s modes
+    (comma-separated) first, in that order, so that a second call can swap which engine runs first and tell
+    the modes from the machine's drift (clocks, heat) over a call."""
     chosen = tuple(w for w in workloads.split(",") if w)
     if not chosen or set(chosen) - {"ttft", "tpot"}:
         raise ValueError(f"--workloads takes ttft, tpot or ttft,tpot, not {workloads!r}")
@@ -55,7 +57,10 @@ def configure(cells: list, workloads: str, rounds=None) -> list:
             cell.extra["workloads"] = list(chosen)
     if "ttft" not in chosen:  # TPOT alone: its baseline (HiCache off), then the plugin, so a short call has both
         cells = sorted(cells, key=lambda c: {"hicache-off": 0, "plugin": 1}.get(c.mode, 2))
-    return cells
+    first = [m for m in order.split(",") if m]
+    if set(first) - set(plan.ALL_MODES):
+        raise ValueError(f"--order takes modes of {', '.join(plan.ALL_MODES)}, not {order!r}")
+    return sorted(cells, key=lambda c: first.index(c.mode) if c.mode in first else len(first))
 
 
 def prepare(work: Path, kinds) -> dict:
@@ -129,6 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="TTFT rounds per prefix length (default: the plan's 3)")
     parser.add_argument("--workloads", default="ttft,tpot",
                         help="realsize: which workloads each engine runs (ttft, tpot or both)")
+    parser.add_argument("--order", default="", help="these modes first, in this order (e.g. plugin,upstream)")
     parser.add_argument("--label", default="", help="put into the summary's title (e.g. 'unofficial')")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
@@ -137,7 +143,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     cells = plan.select(plan.PLANS[args.mode](args.release), only=args.only, skip=args.skip)
     try:
-        cells = configure(cells, args.workloads, args.rounds)
+        cells = configure(cells, args.workloads, args.rounds, args.order)
     except ValueError as exc:
         parser.error(str(exc))
     prepared = prepare(args.work, {c.model for c in cells})

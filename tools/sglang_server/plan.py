@@ -26,6 +26,7 @@ PAIRS = (("kernel", "page_first"), ("kernel", "layer_first"), ("direct", "page_f
 REWRITTEN = {("kernel", "page_first_direct"): ("direct", "page_first_direct"),
              ("direct", "page_first"): ("direct", "page_first_direct")}
 EQUAL_MODES = ("upstream", "plugin", "plugin-nojit")
+ALL_MODES = ("upstream", "plugin", "plugin-nojit", "control", "control-plugin", "hicache-off")  # engine_cell.MODES
 
 
 @dataclass
