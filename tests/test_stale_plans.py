@@ -19,6 +19,7 @@ from test_host_pool import (LAYOUTS, as_bytes, device_caches, fill_random, get_h
                             make_device_pool, make_host_pool, set_host_rows)
 
 PAGE = 4
+CHANNELS = ["data", "ctypes", "dlpack", "alias-copy", "numpy", "set"]
 
 
 def _write_behind_torch(t: torch.Tensor, values, channel: str) -> None:
@@ -32,6 +33,17 @@ def _write_behind_torch(t: torch.Tensor, values, channel: str) -> None:
         ctypes.memmove(t.data_ptr(), values.data_ptr(), values.numel() * t.element_size())
     elif channel == "dlpack":      # another framework's view of the same memory
         dlpack.from_dlpack(dlpack.to_dlpack(t))[:values.numel()] = values
+    elif channel == "alias-copy":  # copy_ into another tensor over the same storage: its own version counter
+        alias = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        alias[:values.numel()].copy_(values)
+    elif channel == "numpy":       # a numpy view of a CPU tensor
+        pytest.importorskip("numpy", reason="the numpy channel needs numpy (not a dependency of this package)")
+        t.numpy()[:values.numel()] = values.numpy()
+    elif channel == "set":         # the same object re-pointed at other memory (set_ moves the counter once)
+        moved = t.clone()
+        moved[:values.numel()] = values
+        t.set_(moved.untyped_storage(), 0, t.shape, t.stride())
+        return
     else:
         raise AssertionError(channel)
     assert version is None or t._version == version, "the write moved the version counter: not the attack"
@@ -66,7 +78,7 @@ def _check_layer(dp, layer, expected):
 # ---------------------------------------------------------------------------
 # The host pools.
 
-@pytest.mark.parametrize("channel", ["data", "ctypes", "dlpack"])
+@pytest.mark.parametrize("channel", CHANNELS)
 @pytest.mark.parametrize("side", ["host", "device"])
 @pytest.mark.parametrize("kind", ["mla", "mha"])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -166,7 +178,7 @@ def test_one_index_tensor_as_both_arguments_is_planned_per_side():
     assert torch.equal(host, expected), "host rows of another layer were written"
 
 
-@pytest.mark.parametrize("channel", ["data", "ctypes", "dlpack"])
+@pytest.mark.parametrize("channel", CHANNELS)
 def test_a_routed_per_layer_load_sees_indices_changed_behind_torch(channel):
     host = _pfd_host(3)
     gen = torch.Generator().manual_seed(4)
