@@ -180,7 +180,7 @@ def test_the_staged_backup_refuses_non_integer_host_indices_before_staging_reads
     monkeypatch.setattr(routed.pointer_tables, "checked", lambda t, name: type(
         "Checked", (), {"rows": lambda self, stride, row, name: 16})())
     monkeypatch.setitem(routed._stagings, (host.data_ptr(), table.data_ptr(), D * 4, L, 16),
-                        (lambda: host, routed.settings.staging_bytes(), area))
+                        (lambda: routed.compat._root(host), routed.settings.staging_bytes(), area))  # its owner
     routed.transfer_kv_all_layer_mla_lf_pf(table, host, torch.arange(2), torch.arange(2), D * 4, L * D * 4, L)
     assert len(staged) == 1  # the stand-in serves a good call
     for bad in ("float", "nan", "uint64-2^63", "list"):

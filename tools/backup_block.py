@@ -51,8 +51,9 @@ def main(argv=None) -> int:
                 for _ in range(layers)]
     k_table = torch.tensor([t.data_ptr() for t in k_layers], dtype=torch.uint64, device="cuda")
     v_table = torch.tensor([t.data_ptr() for t in v_layers], dtype=torch.uint64, device="cuda")
-    host_k = torch.zeros((host_slots, layers, row), dtype=torch.uint8, pin_memory=True)
-    host_v = torch.zeros((host_slots, layers, row), dtype=torch.uint8, pin_memory=True)
+    # One pinned tensor for K and V, passed as a fresh view of each on every call: SGLang 0.5.17's MHA host
+    # pool does so (its k_buffer and v_buffer are properties returning kv_buffer[0] and kv_buffer[1]).
+    host_kv = torch.zeros((2, host_slots, layers, row), dtype=torch.uint8, pin_memory=True)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     host_idx = torch.arange(tokens, dtype=torch.int64) + tokens // 2  # SGLang's host slots: CPU, pageable
 
     def routed_backup(host_indices, device_indices):
-        routed.transfer_kv_all_layer_lf_pf(k_table, host_k, v_table, host_v, device_indices, host_indices,
+        routed.transfer_kv_all_layer_lf_pf(k_table, host_kv[0], v_table, host_kv[1], device_indices, host_indices,
                                            row, layers * row, layers)
 
     host_idx_gpu = host_idx.to("cuda")  # SGLang moves them before the call: not the call's time

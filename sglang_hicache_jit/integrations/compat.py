@@ -244,29 +244,49 @@ def transfer_hicache_all_layer_mla(
 def host_layer_table(buffer: torch.Tensor, num_layers: int, row_bytes: int, device) -> torch.Tensor:
     """uint64 CUDA table of the per-layer row-0 addresses of a ``page_first``
     host buffer, where layer l of a token starts ``l * row_bytes`` into its
-    slot. Cached per buffer: pools pass the same tensor on every call."""
-    hit = _host_tables.get((id(buffer), buffer.data_ptr(), (num_layers, row_bytes), str(device)))
-    if hit is not None and hit[0]() is buffer:  # the hit, inline: a backup's hot path
+    slot. Cached per buffer (see _table_key): pools pass the same buffer on
+    every call, some as a fresh view of it each time."""
+    key = _table_key(buffer, (num_layers, row_bytes), device)
+    hit = _host_tables.get(key)
+    if hit is not None and hit[0]() is _root(buffer):  # the hit, inline: a backup's hot path
         return hit[1]
     return _buffer_table(buffer, (num_layers, row_bytes), lambda: [layer * row_bytes for layer in range(num_layers)],
                          device)
 
 
+def _root(buffer: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns ``buffer``'s memory: ``buffer`` itself, or the one it is a view of."""
+    base = buffer._base
+    return buffer if base is None else base
+
+
+def _table_key(buffer: torch.Tensor, key, device) -> tuple:
+    """A table's cache key: the owner of the memory and the bytes and geometry the table is made from, not
+    the tensor object. SGLang 0.5.17's MHA host pool passes ``self.k_buffer``, a property that returns a new
+    view of its buffer on every call; keyed by that object, every backup built (and registered) a new table,
+    and the registration made every checked pointer table be read back from the GPU: a device sync in
+    SGLang's scheduler thread on every backup (issue 36: a miss 26-28 ms slower per 8K-token chunk)."""
+    return (id(_root(buffer)), buffer.data_ptr(), tuple(buffer.shape), tuple(buffer.stride()), buffer.dtype, key,
+            str(device))
+
+
 def _buffer_table(buffer: torch.Tensor, key, offsets, device) -> torch.Tensor:
     """uint64 table of ``buffer``'s address plus each of ``offsets()`` on ``device``, cached per buffer and
     ``key`` (what the offsets are made from). The buffer is registered as an allocation of its own
-    (transfer/extents.py), so the ops bound the table's rows by the buffer itself, not by the larger
-    allocation it may be part of; the table is built checked (transfer/pointer_tables.py), never read back."""
-    key = (id(buffer), buffer.data_ptr(), key, str(device))
-    hit = _host_tables.get(key)
-    if hit is not None and hit[0]() is buffer:
+    (transfer/extents.py) for as long as the tensor that owns its memory lives, so the ops bound the
+    table's rows by the buffer itself, not by the larger allocation it may be part of; the table is built
+    checked (transfer/pointer_tables.py), never read back."""
+    cache_key = _table_key(buffer, key, device)
+    root = _root(buffer)
+    hit = _host_tables.get(cache_key)
+    if hit is not None and hit[0]() is root:
         return hit[1]
-    extents.register(buffer, "a host buffer passed to compat")
+    extents.register(buffer, "a host buffer passed to compat", owner=root)
     base = buffer.data_ptr()
     table = pointer_tables.build([base + offset for offset in offsets()], device, "a host buffer's layer table")
     if len(_host_tables) >= 64:
         _host_tables.clear()
-    _host_tables[key] = (weakref.ref(buffer), table)
+    _host_tables[cache_key] = (weakref.ref(root), table)
     return table
 
 

@@ -39,7 +39,7 @@ import torch
 
 _lock = threading.Lock()
 _ranges: dict = {}  # token -> Extent
-_by_tensor: dict = {}  # id(tensor) -> (weakref to it, token)
+_by_tensor: dict = {}  # (id(owner), first byte, bytes) -> (weakref to the owner, token)
 _tokens = iter(range(1, 1 << 62))
 # Registrations whose tensor died, dropped under the lock by the next call here: a finalizer may run inside
 # any garbage collection, including one under the lock, so it only appends (atomic) and bumps the generation.
@@ -108,23 +108,28 @@ def _drop_dead() -> None:
             del _by_tensor[key]
 
 
-def register(tensor: torch.Tensor, name: str = "a registered buffer") -> None:
-    """Registers the bytes ``tensor`` spans, for as long as the tensor object lives. Once per tensor."""
+def register(tensor: torch.Tensor, name: str = "a registered buffer", *, owner=None) -> None:
+    """Registers the bytes ``tensor`` spans, for as long as ``owner`` lives (by default the tensor itself).
+    Once per owner and span: another view of the same bytes under the same owner registers nothing new, so
+    a caller that hands out a fresh view of one buffer on every call (SGLang's pools' ``k_buffer``) does
+    not change ``Generation`` on every call, which would make every checked pointer table be checked
+    again, a device sync for a CUDA table."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"register takes a torch.Tensor, got {type(tensor).__name__}")
-    key = id(tensor)
+    owner = tensor if owner is None else owner
+    start, nbytes = span(tensor)
+    key = (id(owner), start, nbytes)
     with _lock:
         _drop_dead()
         hit = _by_tensor.get(key)
-        if hit is not None and hit[0]() is tensor:
+        if hit is not None and hit[0]() is owner:
             return
-    start, nbytes = span(tensor)
     if not nbytes:
         return
     token = register_range(start, nbytes, name)
     with _lock:
-        _by_tensor[key] = (weakref.ref(tensor), token)
-    weakref.finalize(tensor, _forget, key, token)
+        _by_tensor[key] = (weakref.ref(owner), token)
+    weakref.finalize(owner, _forget, key, token)
 
 
 def _forget(key: int, token: int) -> None:

@@ -479,7 +479,8 @@ def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, ite
            + (item_size, num_layers, device_rows))
     with _stagings_lock:
         entry = _stagings.get(key)
-        if entry is None or entry[0]() is not hosts[0] or entry[1] != budget:
+        owner = compat._root(hosts[0])  # SGLang may pass a fresh view of its buffer on every call
+        if entry is None or entry[0]() is not owner or entry[1] != budget:
             from ...transfer import staging
 
             if not hosts[0].is_pinned():
@@ -494,7 +495,7 @@ def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, ite
                 area = None
             if len(_stagings) >= 8:
                 _stagings.clear()
-            entry = _stagings[key] = (weakref.ref(hosts[0]), budget, area)
+            entry = _stagings[key] = (weakref.ref(owner), budget, area)
     area = entry[2]
     return area is not None and area.backup(dst_indices, src_indices)
 
