@@ -134,6 +134,17 @@ def test_order_runs_the_named_modes_first_and_refuses_an_unknown_one():
     assert set(plan.ALL_MODES) == set(engine_cell.MODES)
 
 
+def test_lengths_sets_the_ttft_prefixes_and_refuses_what_is_not_one():
+    from sglang_server import main as server_main
+
+    cells = server_main.configure(plan.realsize("0.5.17", models=("mha-8b",)), "ttft", lengths="8192")
+    assert {tuple(c.extra["lengths"]) for c in cells} == {(8192,)}
+    assert "lengths" not in server_main.configure(plan.realsize("0.5.17", models=("mha-8b",)), "ttft")[0].extra
+    for bad in ("8k", "512", "8192,-1"):
+        with pytest.raises(ValueError, match="--lengths"):
+            server_main.configure(plan.realsize("0.5.17"), "ttft", lengths=bad)
+
+
 def test_the_warm_up_prompt_is_sent_by_no_timed_workload():
     warm = workload.warm_up(models.VOCAB)
     assert len(warm) == 8192

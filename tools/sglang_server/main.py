@@ -43,16 +43,24 @@ EXPECT = {"correctness": 100.0, "ttft": 110.0, "realsize": 60.0}
 REALSIZE_MAX_S = 300.0  # one real-size engine's own deadline, from its start: the next mode gets its turn
 
 
-def configure(cells: list, workloads: str, rounds=None, order: str = "") -> list:
+def configure(cells: list, workloads: str, rounds=None, order: str = "", lengths: str = "") -> list:
     """The cells with ``--rounds`` and ``--workloads`` applied, in the order they run: ``--order``'s modes
     (comma-separated) first, in that order, so that a second call can swap which engine runs first and tell
     the modes from the machine's drift (clocks, heat) over a call."""
     chosen = tuple(w for w in workloads.split(",") if w)
     if not chosen or set(chosen) - {"ttft", "tpot"}:
         raise ValueError(f"--workloads takes ttft, tpot or ttft,tpot, not {workloads!r}")
+    try:
+        prefixes = [int(n) for n in lengths.split(",") if n]
+    except ValueError:
+        prefixes = [0]
+    if any(n < 1024 for n in prefixes):
+        raise ValueError(f"--lengths takes prefix lengths of 1024 tokens or more, comma-separated, not {lengths!r}")
     for cell in cells:
         if rounds is not None and cell.workload in ("ttft", "realsize"):
             cell.extra["rounds"] = rounds
+        if prefixes and cell.workload in ("ttft", "realsize"):
+            cell.extra["lengths"] = prefixes
         if cell.workload == "realsize":
             cell.extra["workloads"] = list(chosen)
     if "ttft" not in chosen:  # TPOT alone: its baseline (HiCache off), then the plugin, so a short call has both
@@ -134,6 +142,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="TTFT rounds per prefix length (default: the plan's 3)")
     parser.add_argument("--workloads", default="ttft,tpot",
                         help="realsize: which workloads each engine runs (ttft, tpot or both)")
+    parser.add_argument("--lengths", default="", help="TTFT prefix lengths (default: the plan's, e.g. 8192,32768)")
     parser.add_argument("--order", default="", help="these modes first, in this order (e.g. plugin,upstream)")
     parser.add_argument("--label", default="", help="put into the summary's title (e.g. 'unofficial')")
     parser.add_argument("--dry-run", action="store_true")
@@ -143,7 +152,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     cells = plan.select(plan.PLANS[args.mode](args.release), only=args.only, skip=args.skip)
     try:
-        cells = configure(cells, args.workloads, args.rounds, args.order)
+        cells = configure(cells, args.workloads, args.rounds, args.order, args.lengths)
     except ValueError as exc:
         parser.error(str(exc))
     prepared = prepare(args.work, {c.model for c in cells})
