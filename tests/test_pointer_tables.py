@@ -256,6 +256,11 @@ def test_a_fresh_view_of_one_host_buffer_on_every_call_is_checked_once():
     with routed.copy_engines_only(), pytest.raises(TransferIndexError, match="slots"):
         routed.transfer_kv_all_layer_lf_pf(src_k, kv[0], src_v, kv[1], torch.tensor([0]), torch.tensor([ROWS]),
                                            4 * D, LAYERS * 4 * D, LAYERS)
+    # A narrower view of the same bytes, after the wide one was registered for as long as its owner lives: it
+    # is still bounded by its own slots, not by the wider registration
+    with routed.copy_engines_only(), pytest.raises(TransferIndexError, match="only 4 slots"):
+        routed.transfer_kv_all_layer_lf_pf(src_k, kv[0][:4], src_v, kv[1][:4], torch.tensor([0]),
+                                           torch.tensor([5]), 4 * D, LAYERS * 4 * D, LAYERS)
     assert all(g.untouched() for g in dev_k + dev_v)
 
 
