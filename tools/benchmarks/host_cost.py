@@ -157,6 +157,10 @@ def calls(ops, routed):
         "routed MLA backup, all layers": lambda: routed.transfer_kv_all_layer_mla_lf_pf(
             src_layers=dev_ptrs, dst=pf_buf, src_indices=idx_gpu, dst_indices=idx_gpu, item_size=ROW,
             dst_layout_dim=LAYERS * ROW, num_layers=LAYERS),
+        # SGLang's MHA page_first pool (0.5.17+) with the JIT names: its per-layer views (k_data_refs) cut once.
+        "routed MHA load, page_first": lambda: routed.transfer_hicache_one_layer(
+            k_cache_dst=dev[0][3], v_cache_dst=dev[1][3], indices_dst=idx_gpu, k_cache_src=host[0][3],
+            v_cache_src=host[1][3], indices_src=idx_gpu, element_dim=ROW),
         "MLA one-layer, GPU indices": lambda: ops.transfer_one_layer_mla(dev[0][0], idx_gpu, host[0][0], idx_gpu),
         "MLA one-layer, CPU indices": lambda: ops.transfer_one_layer_mla(dev[0][0], idx_cpu, host[0][0], idx_cpu),
         # SGLang's routed ops cut a fresh view of each pool buffer per call.
