@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.matmul(a, b)  # cuBLAS's first call sets up (tens of ms): not a matmul's time
+    torch.cuda.synchronize()
     start.record()
     for _ in range(5):
         torch.matmul(a, b)
