@@ -165,11 +165,12 @@ def test_spans_give_each_transfer_its_time_and_rate_by_token_count():
         {"event": "backup", "tokens": 8192, "ops": {"transfer_kv_all_layer_lf_pf": 8192}},
         {"event": "backup", "tokens": 64, "ops": {"transfer_kv_all_layer_lf_pf": 64}}]
     spans = summary.transfer_spans(record, 131072)
-    assert spans["backup"][8192] == {"n": 3, "ms": 27.0, "gbps": round(8192 * 131072 / 27e6, 2), "host_ms": 0.5}
+    assert spans["backup"][8192] == {"n": 3, "ms": 27.0, "gbps": round(8192 * 131072 / 27e6, 2), "host_ms": 0.5,
+                                     "held": 1}  # the 24-ms call kept the scheduler
     assert spans["load"][8192]["ms"] == 20.0 and spans["backup"][64]["n"] == 1
     assert spans["load"][8192]["host_ms"] is None  # a trace from before host times were recorded
     assert spans["backup_ops"] == {"transfer_kv_all_layer_lf_pf": 8256}
     text = summary.realsize_markdown(summary.realsize_tables([record], h2d_gbps=50.0))
-    assert "| mha-8b | plugin | backup | 8192 | 3 | 27.0 | 39.77 | 0.5 | transfer_kv_all_layer_lf_pf 8256 |" in text
-    assert "| mha-8b | plugin | load | 8192 | 1 | 20.0 | 53.69 | - | - |" in text
+    assert "| mha-8b | plugin | backup | 8192 | 3 | 27.0 | 39.77 | 0.5 | 1 | transfer_kv_all_layer_lf_pf 8256 |" in text
+    assert "| mha-8b | plugin | load | 8192 | 1 | 20.0 | 53.69 | - | - | - |" in text
     assert "| backup | 64 |" not in text  # a page of a suffix is left out of the table

@@ -135,11 +135,17 @@ def package_ops(record: dict) -> dict:
             "any": sum(sum(e["ops"].values()) for e in loads), "host_hit_tokens": record.get("host_hit_tokens", 0)}
 
 
+# A pool call that keeps SGLang's scheduler thread this long is waiting for the GPU (a device sync), not
+# launching: upstream's backups and loads take 0.1-1 ms there (2026-12-06, docs/BENCHMARKS.md).
+HELD_MS = 10.0
+
+
 def transfer_spans(record: dict, token_bytes: int) -> dict:
     """The GPU spans the harness traced (harness_plugin.Spans): per all-layer backup and per whole load,
     medians by token count (ms, and GB/s of the KV moved), so a run says what each transfer took on its
-    stream; ``host_ms``, the median time the scheduler's thread spent in the pool's calls (None where the
-    trace has none); and the ops inside each backup (``backup_ops``: tokens per op, over every backup)."""
+    stream; ``host_ms``, the median time the scheduler's thread spent in the pool's calls, and ``held``, how
+    many calls kept it over HELD_MS (both None where the trace has none); and the ops inside each backup
+    (``backup_ops``: tokens per op, over every backup)."""
     out: dict = {"backup": {}, "load": {}, "backup_ops": {}}
     spans = [e for e in record.get("_trace", []) if e.get("event") == "span" and e.get("ms")]
     for kind in ("backup", "load"):
@@ -152,7 +158,8 @@ def transfer_spans(record: dict, token_bytes: int) -> dict:
             host = [float(e["host_ms"]) for e in records if e.get("host_ms") is not None]
             out[kind][tokens] = {"n": len(records), "ms": round(median, 3),
                                  "gbps": round(tokens * token_bytes / (median * 1e6), 2) if median > 0 else None,
-                                 "host_ms": round(statistics.median(host), 3) if host else None}
+                                 "host_ms": round(statistics.median(host), 3) if host else None,
+                                 "held": sum(h > HELD_MS for h in host) if host else None}
     for e in record.get("_trace", []):
         if e.get("event") == "backup":
             for op, tokens in (e.get("ops") or {}).items():
@@ -382,8 +389,8 @@ def realsize_markdown(tables: dict) -> str:
         lines.append(f"| {e['model']} | {MODE_NAMES.get(e['mode'], e['mode'])} | {'yes' if e['ok'] else e['error']} | "
                      f"{e['start_s']} | {e['workload_s']} | {e['cut'] or '-'} | {ops} |")
     lines += ["", "## Transfers on their streams (harness spans: ms median and GB/s, n, by tokens)", "",
-              "| model | mode | transfer | tokens | n | ms | GB/s | scheduler's ms in the calls | ops inside the backups |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| model | mode | transfer | tokens | n | ms | GB/s | scheduler's ms in the calls | calls over "
+              f"{HELD_MS:g} ms there | ops inside the backups |", "|---|---|---|---|---|---|---|---|---|---|"]
     for e in tables.get("engines", []):
         spans = e.get("spans") or {}
         ops = ", ".join(f"{op} {n}" for op, n in sorted(spans.get("backup_ops", {}).items())) or "none"
@@ -393,6 +400,7 @@ def realsize_markdown(tables: dict) -> str:
                     lines.append(f"| {e['model']} | {MODE_NAMES.get(e['mode'], e['mode'])} | {kind} | {tokens} | "
                                  f"{row['n']} | {row['ms']} | {row['gbps']} | "
                                  f"{'-' if row.get('host_ms') is None else row['host_ms']} | "
+                                 f"{'-' if row.get('held') is None else row['held']} | "
                                  f"{ops if kind == 'backup' else '-'} |")
     lines += ["", f"## Real-size TTFT (ms: median [min-max] n=rounds), PCIe floor at {tables['h2d_gbps']} GB/s "
              "(contiguous pinned H2D, same call)", "",
