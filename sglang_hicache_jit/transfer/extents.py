@@ -132,7 +132,7 @@ def register(tensor: torch.Tensor, name: str = "a registered buffer", *, owner=N
     weakref.finalize(owner, _forget, key, token)
 
 
-def _forget(key: int, token: int) -> None:
+def _forget(key: tuple, token: int) -> None:
     _dead.append((key, token))
     Generation.value += 1
 
