@@ -246,9 +246,9 @@ def host_layer_table(buffer: torch.Tensor, num_layers: int, row_bytes: int, devi
     host buffer, where layer l of a token starts ``l * row_bytes`` into its
     slot. Cached per buffer (see _table_key): pools pass the same buffer on
     every call, some as a fresh view of it each time."""
-    key = _table_key(buffer, (num_layers, row_bytes), device)
-    hit = _host_tables.get(key)
-    if hit is not None and hit[0]() is _root(buffer):  # the hit, inline: a backup's hot path
+    root = _root(buffer)
+    hit = _host_tables.get(_table_key(buffer, root, (num_layers, row_bytes), device))
+    if hit is not None and hit[0]() is root:  # the hit, inline: a backup's hot path
         return hit[1]
     return _buffer_table(buffer, (num_layers, row_bytes), lambda: [layer * row_bytes for layer in range(num_layers)],
                          device)
@@ -260,14 +260,13 @@ def _root(buffer: torch.Tensor) -> torch.Tensor:
     return buffer if base is None else base
 
 
-def _table_key(buffer: torch.Tensor, key, device) -> tuple:
+def _table_key(buffer: torch.Tensor, root: torch.Tensor, key, device) -> tuple:
     """A table's cache key: the owner of the memory and the bytes and geometry the table is made from, not
     the tensor object. SGLang 0.5.17's MHA host pool passes ``self.k_buffer``, a property that returns a new
     view of its buffer on every call; keyed by that object, every backup built (and registered) a new table,
     and the registration made every checked pointer table be read back from the GPU: a device sync in
     SGLang's scheduler thread on every backup (issue 36: a miss 26-28 ms slower per 8K-token chunk)."""
-    return (id(_root(buffer)), buffer.data_ptr(), tuple(buffer.shape), tuple(buffer.stride()), buffer.dtype, key,
-            str(device))
+    return (id(root), buffer.data_ptr(), tuple(buffer.shape), tuple(buffer.stride()), buffer.dtype, key, str(device))
 
 
 def _buffer_table(buffer: torch.Tensor, key, offsets, device) -> torch.Tensor:
@@ -276,8 +275,8 @@ def _buffer_table(buffer: torch.Tensor, key, offsets, device) -> torch.Tensor:
     (transfer/extents.py) for as long as the tensor that owns its memory lives, so the ops bound the
     table's rows by the buffer itself, not by the larger allocation it may be part of; the table is built
     checked (transfer/pointer_tables.py), never read back."""
-    cache_key = _table_key(buffer, key, device)
     root = _root(buffer)
+    cache_key = _table_key(buffer, root, key, device)
     hit = _host_tables.get(cache_key)
     if hit is not None and hit[0]() is root:
         return hit[1]

@@ -131,8 +131,9 @@ def calls(ops, routed):
                 (id(pf_buf), pf_buf.data_ptr(), (LAYERS, ROW), str(dev_ptrs.device))):
         routed.compat._host_tables[key] = (weakref.ref(pf_buf), fake_gpu.cuda(host_rows))
     if hasattr(routed.compat, "_table_key"):  # keyed on the memory's owner since 2026-12-06
-        routed.compat._host_tables[routed.compat._table_key(pf_buf, (LAYERS, ROW), dev_ptrs.device)] = (
-            weakref.ref(routed.compat._root(pf_buf)), fake_gpu.cuda(host_rows))
+        root = routed.compat._root(pf_buf)
+        routed.compat._host_tables[routed.compat._table_key(pf_buf, root, (LAYERS, ROW), dev_ptrs.device)] = (
+            weakref.ref(root), fake_gpu.cuda(host_rows))
     # A layer_first host pool (layers, slots, 1, dim) and its per-layer views (data_refs) and tables, as
     # SGLang's layer_first pools keep them: the D2H backup of every layer through two pointer tables
     # (MLA) or four (MHA).

@@ -231,9 +231,9 @@ def _counting(call):
 
 
 def load_hook(original, self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs):
-    with _span_lock:
-        layers = getattr(self, "layer_num", None)
-        if int(layer_id) == 0:  # a load's first layer (SGLang's controller loads layers 0..layer_num-1 in order)
+    layers = getattr(self, "layer_num", None)
+    if int(layer_id) == 0:  # a load's first layer (SGLang's controller loads layers 0..layer_num-1 in order)
+        with _span_lock:
             _spans.open_loads[id(self)] = [Spans.event(), int(device_indices.numel()), 0.0]
     began = time.perf_counter()
     result, ops = _counting(lambda: original(self, device_pool, host_indices, device_indices, layer_id, io_backend,
@@ -243,10 +243,10 @@ def load_hook(original, self, device_pool, host_indices, device_indices, layer_i
         begun = _spans.open_loads.get(id(self))
         if begun is not None:
             begun[2] += host_s
-        if begun is not None and layers is not None and int(layer_id) == layers - 1:
-            del _spans.open_loads[id(self)]
-            _spans.end({"of": "load", "pool": type(self).__name__, "tokens": begun[1], "layers": layers,
-                        "io_backend": io_backend, "host_ms": round(begun[2] * 1e3, 4)}, begun[0])
+            if layers is not None and int(layer_id) == layers - 1:
+                del _spans.open_loads[id(self)]
+                _spans.end({"of": "load", "pool": type(self).__name__, "tokens": begun[1], "layers": layers,
+                            "io_backend": io_backend, "host_ms": round(begun[2] * 1e3, 4)}, begun[0])
     _spans.flush(wait=False)
     trace({"event": "load", "pool": type(self).__name__, "layer": int(layer_id), "tokens": int(device_indices.numel()),
            "io_backend": io_backend, "ops": ops, "corrupt": os.environ.get("HICACHE_SERVER_CORRUPT", "")})

@@ -44,7 +44,7 @@ REALSIZE_MAX_S = 300.0  # one real-size engine's own deadline, from its start: t
 
 
 def configure(cells: list, workloads: str, rounds=None, order: str = "", lengths: str = "") -> list:
-    """The cells with ``--rounds`` and ``--workloads`` applied, in the order they run: ``--order``'s modes
+    """The cells with ``--rounds``, ``--lengths`` and ``--workloads`` applied, in the order they run: ``--order``'s modes
     (comma-separated) first, in that order, so that a second call can swap which engine runs first and tell
     the modes from the machine's drift (clocks, heat) over a call."""
     chosen = tuple(w for w in workloads.split(",") if w)
@@ -53,8 +53,8 @@ def configure(cells: list, workloads: str, rounds=None, order: str = "", lengths
     try:
         prefixes = [int(n) for n in lengths.split(",") if n]
     except ValueError:
-        prefixes = [0]
-    if any(n < 1024 for n in prefixes):
+        prefixes = None
+    if prefixes is None or any(n < 1024 for n in prefixes):
         raise ValueError(f"--lengths takes prefix lengths of 1024 tokens or more, comma-separated, not {lengths!r}")
     for cell in cells:
         if rounds is not None and cell.workload in ("ttft", "realsize"):
