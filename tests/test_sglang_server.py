@@ -412,6 +412,23 @@ def test_judge_passes_equal_modes_with_a_differing_control():
     assert checks["package_ok"] == {r["cell"]: True for r in _full()}
 
 
+def test_a_real_broken_plugin_engine_standing_in_for_the_plugin_fails_the_judge():
+    """Issue 35: the matrix's control-plugin engine (the plugin on, rows loaded back zeroed) is judged again as
+    the plugin engine of its configuration; the run passes only if that verdict is a fail."""
+    broken = _record("control-plugin", CONTROL, log=START + "\n" + POOL)
+    result = summary.judge(_full() + [broken])
+    assert result["passed"], result
+    verdict = result["broken_plugin"][broken["cell"]]
+    assert verdict.startswith("fail") and "outputs differ between modes" in verdict
+    assert "A broken plugin engine judged as the plugin" in summary.markdown(result)
+    # a judge that could not tell (the broken engine served the good outputs) makes the whole run fail
+    lenient = summary.judge(_full() + [_record("control-plugin", GOOD, log=START + "\n" + POOL)])
+    assert list(lenient["broken_plugin"].values()) == ["pass"] and not lenient["passed"]
+    # alone, with nothing to compare it to, the stand-in proves nothing: the run fails too
+    alone = summary.judge([_record("plugin", GOOD), _record("control-plugin", CONTROL)])
+    assert alone["broken_plugin"] and not alone["passed"]
+
+
 def _no_ops(record):
     for event in record["_trace"]:
         event["ops"] = {}

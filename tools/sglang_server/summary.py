@@ -176,6 +176,16 @@ def _package_ok(mode: str, ops: dict) -> bool:
 def judge(records: list, cells=None, outcomes=None) -> dict:
     """Verdicts per configuration. ``cells`` (plan.Cell) are the engines the run planned, ``outcomes`` the
     runner's {cell name: status}: a planned cell without a result fails its configuration."""
+    verdicts = judge_groups(records, cells, outcomes)
+    result = {"configurations": verdicts, "passed": bool(verdicts) and all(v["verdict"] == "pass" for v in verdicts)}
+    result["broken_plugin"] = broken_plugin(records)
+    if any(not v.startswith("fail") for v in result["broken_plugin"].values()):
+        result["passed"] = False  # the judge let a plugin engine with zeroed rows through: it proves nothing
+    return result
+
+
+def judge_groups(records: list, cells=None, outcomes=None) -> list:
+    """The verdict and checks of each configuration (see ``judge``)."""
     groups: dict = {}
     for record in records:
         if record.get("spec", {}).get("workload", "correctness") != "correctness":
@@ -228,7 +238,23 @@ def judge(records: list, cells=None, outcomes=None) -> dict:
         checks["pool_line"] = {r["cell"]: bool(POOL_LINE.search(r["_log"])) for r in plugin_runs}
         verdicts.append({"release": key[0], "model": key[1], "io_backend": key[2], "layout": key[3],
                          "verdict": _verdict(checks, equal_modes), "checks": checks})
-    return {"configurations": verdicts, "passed": bool(verdicts) and all(v["verdict"] == "pass" for v in verdicts)}
+    return verdicts
+
+
+def broken_plugin(records: list) -> dict:
+    """The judge on a real broken plugin engine: in each configuration where a ``control-plugin`` engine (the
+    plugin on, every row loaded back zeroed) served, that engine stands in for the plugin engine and the
+    configuration is judged again; {control-plugin cell: verdict}. Each verdict must be a fail."""
+    out = {}
+    for broken in (r for r in records if r.get("ok") and r.get("spec", {}).get("mode") == "control-plugin"):
+        key = _key(broken)
+        rest = [r for r in records if r is not broken and r.get("spec", {}).get("mode") not in
+                ("plugin", "control-plugin") and r.get("spec", {}).get("workload", "correctness") == "correctness"
+                and _key(r) == key]
+        posing = dict(broken, spec=dict(broken["spec"], mode="plugin"))
+        verdicts = judge_groups(rest + [posing])
+        out[broken["cell"]] = verdicts[0]["verdict"] if verdicts else "incomplete"
+    return out
 
 
 def _verdict(checks: dict, equal_modes: list) -> str:
@@ -297,6 +323,8 @@ def markdown(result: dict, ttft: list | None = None, label: str = "") -> str:
             lines.append(f"| {v['release']} | {v['model']} | {v['io_backend']} | {v['layout']} | "
                          f"{', '.join(c['served'])} | {', '.join(str(x) for x in c.get('host_hits', {}).values())} | "
                          f"{ops} | {controls} | {v['verdict']} |")
+        for cell, verdict in sorted(result.get("broken_plugin", {}).items()):
+            lines += ["", f"A broken plugin engine judged as the plugin ({cell}, rows loaded back zeroed): {verdict}"]
         unfinished = {k: e for v in result["configurations"] for k, e in v["checks"]["unfinished"].items()}
         if unfinished:
             lines += ["", "Engines that did not finish (each fails its configuration):", ""]
