@@ -113,3 +113,25 @@ def test_all_layer_backups_default_to_the_gpu_to_host_cta_budget(monkeypatch):
     routed.transfer_kv_all_layer_mla(tables, tables, idx, idx, ROW, 3, block_quota=7)
     routed.transfer_kv_all_layer(tables, tables, tables, tables, idx, idx, ROW, 3)
     assert seen == [routed.ops.D2H_BLOCK_QUOTA, 7, routed.ops.D2H_BLOCK_QUOTA] and routed.ops.D2H_BLOCK_QUOTA == 2
+
+
+@pytest.mark.parametrize("element_size", [0, -4, True, 2.0, "576", None])
+def test_can_use_write_back_jit_kernel_refuses_a_row_size_that_is_not_one(element_size, monkeypatch):
+    monkeypatch.setattr(routed, "kernel_available", lambda size: True)
+    assert routed.can_use_write_back_jit_kernel(element_size=element_size) is False
+
+
+@pytest.mark.parametrize("staging, kernel, answer", [
+    (None, True, True),      # the default budget, and the kernel gathers: SGLang keeps host indices on the CPU
+    ("0", True, False),      # staging off: SGLang moves them to the GPU and the kernel backs up row by row
+    (None, False, False),    # no kernel for these rows: nothing gathers
+    ("lots", True, False),   # a bad setting never raises here (the plugin refuses it when it registers)
+])
+def test_can_use_write_back_jit_kernel_says_whether_staging_serves_the_write_back(staging, kernel, answer,
+                                                                                  monkeypatch):
+    monkeypatch.setattr(routed, "kernel_available", lambda size: kernel)
+    if staging is None:
+        monkeypatch.delenv("SGLANG_HICACHE_JIT_STAGING", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_HICACHE_JIT_STAGING", staging)
+    assert routed.can_use_write_back_jit_kernel(element_size=576) is answer

@@ -256,3 +256,73 @@ def test_a_per_layer_direct_load_is_planned_once_for_all_layers(monkeypatch):
     assert len(made) == 1
     for layer in range(LAYERS):
         assert same(dev[layer], expected[layer]), f"layer {layer}"
+
+
+def _write_back(kind, h, d, memory_pages, monkeypatch, *, min_chunk=None):
+    """SGLang's staged write-back of ``kind`` ('mla' or 'mha') with CPU host indices ``h`` and device indices
+    ``d``, through the routed op, with staging buffers of ``memory_pages`` pages as SGLang allocates them."""
+    if min_chunk is not None:
+        monkeypatch.setattr(sglang_ops, "MIN_CHUNK_TOKENS", min_chunk)
+    sglang_ops.reset()
+    heads, dim = (1, 288) if kind == "mla" else (2, 64)
+    hosts = [rand((HOST_PAGES * PAGE, LAYERS, heads, dim), pin=True) for _ in range(1 if kind == "mla" else 2)]
+    devs = [[rand((DEV_PAGES * PAGE, heads, dim), device="cuda") for _ in range(LAYERS)] for _ in hosts]
+    memory = [torch.empty((memory_pages * PAGE, LAYERS, heads, dim), dtype=torch.bfloat16, device="cuda")
+              for _ in hosts]
+    expected = [host.clone() for host in hosts]
+    if kind == "mla":
+        sglang_ops.transfer_hicache_all_layer_mla_staged_lf_pf(table(devs[0]), d, h, memory[0], hosts[0],
+                                                               page_size=PAGE)
+    else:
+        sglang_ops.transfer_hicache_all_layer_staged_lf_pf(table(devs[0]), table(devs[1]), d, h, memory[0],
+                                                           memory[1], hosts[0], hosts[1], page_size=PAGE)
+    return hosts, devs, memory, expected
+
+
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+@pytest.mark.parametrize("memory", ["staged", "too-small"])
+def test_staged_write_back_with_cpu_host_indices_goes_through_sglangs_staging_buffers(kind, memory, monkeypatch):
+    """SGLang's staged write-back (can_use_write_back_jit True: host indices on the CPU, device indices on the
+    GPU): the routed op stages the backup in SGLang's own staging buffers (here 4 pages, so 9 pages take 5
+    chunks through both halves); buffers whose halves hold fewer than MIN_CHUNK_TOKENS tokens are left alone
+    and the kernel writes the rows. Bit-exact either way."""
+    h, d = tokens(pick(9, HOST_PAGES, 51)), tokens(pick(9, DEV_PAGES, 52)).cuda()
+    hosts, devs, staging, expected = _write_back(kind, h, d, 4, monkeypatch,
+                                                 min_chunk=2 * PAGE if memory == "staged" else 2 * PAGE + 1)
+    torch.cuda.synchronize()
+    for host, want, layers in zip(hosts, expected, devs):
+        for layer in range(LAYERS):
+            want[h, layer] = layers[layer][d.cpu()].cpu()
+        assert same(host, want)
+    areas = [entry[2] for entry in sglang_ops._stagings.values()]
+    if memory == "staged":
+        assert len(areas) == 1 and areas[0] is not None, "the write-back did not go through the staging area"
+        for c, m in enumerate(staging):  # the halves are SGLang's buffers, not an allocation of the package
+            start, end = m.data_ptr(), m.data_ptr() + m.numel() * m.element_size()
+            assert [start <= areas[0].buffers[b][c].data_ptr() < end for b in (0, 1)] == [True, True]
+    else:
+        assert areas == []
+    sglang_ops.reset()
+
+
+@pytest.mark.parametrize("bad", [-1, "past-the-end"])
+def test_a_staged_write_back_with_a_device_index_outside_the_pool_raises(bad, monkeypatch):
+    """The device indices of a staged write-back stay on the GPU (reading them would sync SGLang's scheduler):
+    the gather's kernel refuses one outside the pool, and a negative one, which a block copy cannot skip as
+    padding; the next op (here check_errors) raises."""
+    from sglang_hicache_jit.errors import TransferIndexError
+    from sglang_hicache_jit.transfer import ops as transfer_ops
+
+    h, d = tokens(pick(9, HOST_PAGES, 53)), tokens(pick(9, DEV_PAGES, 54))
+    d[17] = -1 if bad == -1 else DEV_PAGES * PAGE + 3
+    _write_back("mla", h, d.cuda(), 4, monkeypatch, min_chunk=2 * PAGE)
+    assert sglang_ops._stagings and all(e[2] is not None for e in sglang_ops._stagings.values())
+    with pytest.raises(TransferIndexError, match="skipped rows"):
+        transfer_ops.check_errors()
+    sglang_ops.reset()
+
+
+def test_can_use_write_back_jit_kernel_answers_whether_staging_serves(monkeypatch):
+    assert sglang_ops.can_use_write_back_jit_kernel(element_size=576) is True
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_STAGING", "0")
+    assert sglang_ops.can_use_write_back_jit_kernel(element_size=576) is False

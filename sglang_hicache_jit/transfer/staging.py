@@ -32,6 +32,7 @@ import torch
 
 from . import direct
 from ..errors import TransferIndexError
+from .bounds import PAST_THE_END
 
 # Host slots must come in runs of at least this many tokens on average for staging to pay: each run is one
 # flat copy of run x layers x row bytes, and the copy engines' fixed cost per copy (0.3-0.8 us in a batch)
@@ -65,7 +66,7 @@ class PageStaging:
     """
 
     def __init__(self, host_caches: list, *, budget_bytes: int, device, device_rows: int, gather,
-                 page_size: int = 1):
+                 page_size: int = 1, memory: list | None = None):
         first = host_caches[0]
         self.page = int(page_size)
         self.layers = first.shape[1]
@@ -79,13 +80,19 @@ class PageStaging:
         self.gather = gather
         block_elems = self.layers * self.page * math.prod(row_shape)
         block_bytes = block_elems * first.element_size() * len(host_caches)
-        if budget_bytes < 2 * block_bytes:
+        if memory is not None:
+            _check_memory(memory, host_caches, self.page, device)
+        elif budget_bytes < 2 * block_bytes:
             raise ValueError(f"a staging budget of {budget_bytes} bytes holds no host block of {block_bytes} bytes "
                              "in each of its two buffers")
         # Never more than the host buffer could send in one backup.
         self.chunk_blocks = min(budget_bytes // (2 * block_bytes), self.host_blocks)
-        self.buffers = [[torch.empty((self.chunk_blocks, *first.shape[1:]), dtype=first.dtype, device=self.device)
-                         for _ in host_caches] for _ in range(2)]
+        if memory is not None:  # the caller's device buffers (one per cache), cut in two halves
+            self.chunk_blocks = min(memory[0].shape[0] // 2, self.host_blocks)
+            self.buffers = [[m[b * self.chunk_blocks:(b + 1) * self.chunk_blocks] for m in memory] for b in (0, 1)]
+        else:
+            self.buffers = [[torch.empty((self.chunk_blocks, *first.shape[1:]), dtype=first.dtype,
+                                         device=self.device) for _ in host_caches] for _ in range(2)]
         # A block (token or page) of every layer as one row: consecutive host blocks are one flat block.
         host_blocks = [direct.Rows(h.view(-1, block_elems), "host blocks") for h in host_caches]
         self.pairs = [direct.Pairs([(host_blocks[c], direct.Rows(buf.view(-1, block_elems), "staged blocks"))
@@ -103,10 +110,15 @@ class PageStaging:
 
     def backup(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
         """``host[host_indices[i]] = device[device_indices[i]]`` for every layer, staged. Returns False (and
-        does nothing) where rows are better copied one by one: a negative index on either side (it skips its
-        pair, which a block copy cannot), host slots in runs shorter than MIN_RUN tokens on average, for
-        ``page_first_direct`` host slots that are not whole aligned pages, or a CUDA graph being captured on
-        the current stream."""
+        does nothing) where rows are better copied one by one: a negative host index, or a negative device
+        index on the CPU (each skips its pair, which a block copy cannot), host slots in runs shorter than
+        MIN_RUN tokens on average, for ``page_first_direct`` host slots that are not whole aligned pages, or a
+        CUDA graph being captured on the current stream.
+
+        Device indices on the GPU are never read here (SGLang's staged write-back hands them so): one outside
+        the device pool, or negative, makes the gather skip that token and the next op on the device raise
+        TransferIndexError; the token's host slot then holds stale staging bytes, so the error must not be
+        ignored."""
         if torch.cuda.is_current_stream_capturing():
             return False  # staging reads the indices on the host; the row copies record into a graph
         host = host_indices.to("cpu", torch.int64)
@@ -129,12 +141,20 @@ class PageStaging:
         runs = int((blocks[1:] - blocks[:-1] != 1).sum()) + 1
         if runs * MIN_RUN > count:
             return False
-        low, high = (int(v) for v in torch.aminmax(device_indices))  # waits for the GPU when they live there
-        if low < 0:
-            return False
-        if high >= self.device_rows:
-            raise TransferIndexError(f"device_indices holds index {high}, but the device pool has only "
-                                     f"{self.device_rows} slots")
+        if device_indices.is_cuda:
+            # Read on the host they would cost a device sync in the caller's thread (SGLang's scheduler). The
+            # gather's kernel bounds them on the device instead: a row outside the pool is skipped and the next
+            # op raises TransferIndexError. A negative one cannot be padding here (a block copy cannot skip
+            # its token), so it is sent past the end to be refused the same way.
+            device_indices = device_indices.to(torch.int64)
+            device_indices = device_indices.masked_fill(device_indices < 0, PAST_THE_END)
+        else:
+            low, high = (int(v) for v in torch.aminmax(device_indices))
+            if low < 0:
+                return False
+            if high >= self.device_rows:
+                raise TransferIndexError(f"device_indices holds index {high}, but the device pool has only "
+                                         f"{self.device_rows} slots")
         with self._lock:
             self._submit(blocks, device_indices)
         return True
@@ -142,6 +162,8 @@ class PageStaging:
     def _submit(self, blocks: torch.Tensor, device_indices: torch.Tensor) -> None:
         stream = torch.cuda.current_stream(self.device)
         self.side.wait_stream(stream)
+        if device_indices.is_cuda:  # the side stream reads them: their memory must outlive its gathers
+            device_indices.record_stream(self.side)
         for b in (0, 1):  # an earlier backup's copies, maybe on another stream, may still read a buffer
             if self.used[b]:
                 self.side.wait_event(self.copied[b])
@@ -160,6 +182,19 @@ class PageStaging:
             plan.run(self.pairs[b])
             self.copied[b].record(stream)
             self.used[b] = True
+
+
+def _check_memory(memory: list, host_caches: list, page: int, device) -> None:
+    """The caller's staging buffers: one per host cache, on the staging device, contiguous, with the host
+    blocks' shape and dtype, and room for a block in each half."""
+    if len(memory) != len(host_caches):
+        raise ValueError(f"staging memory must be one buffer per cache ({len(host_caches)}), got {len(memory)}")
+    for m, h in zip(memory, host_caches):
+        if (not isinstance(m, torch.Tensor) or m.device != torch.device(device) or not m.is_contiguous()
+                or m.dtype != h.dtype or m.shape[1:] != h.shape[1:] or m.shape[0] < 2):
+            got = f"{tuple(m.shape)} {m.dtype} on {m.device}" if isinstance(m, torch.Tensor) else type(m).__name__
+            raise ValueError(f"a staging buffer must be a contiguous {h.dtype} tensor on {device} of at least two "
+                             f"blocks of shape {tuple(h.shape[1:])}, got {got}")
 
 
 def staged_rows(tokens: int, page: int, layers: int) -> torch.Tensor:

@@ -19,12 +19,15 @@ choice, and the copy engines' plans, are ``transfer/route.py``'s), so no
 call depends on sgl-kernel, and no row size or kernel failure makes a pool
 raise. That is why the routed ``can_use_hicache_jit_kernel`` answers True for
 any positive row size: the "JIT" names can always be served. The routed
-``can_use_write_back_jit_kernel`` answers False on purpose: the staged
-write-back only exists upstream to work around a slow page_first write, and
-saying no spares the GPU staging buffer the pools would otherwise allocate
-(64 pages x all layers: about 288 MB for DeepSeek-V3 at page 64); the pools
-then call ``transfer_kv_all_layer*_lf_pf``, which the all-layer kernel
-writes straight into the page_first host buffer.
+``can_use_write_back_jit_kernel`` answers True where the kernel runs for the
+rows and staging is on: SGLang then keeps a page_first backup's host indices
+on the CPU and calls ``transfer_hicache_all_layer*_staged_lf_pf`` with the
+staging buffers it allocated (64 pages x all layers: about 288 MB for
+DeepSeek-V3 at page 64, as upstream), which this package's staging area
+(``transfer/staging.py``) uses: a gather by the kernel into them, then whole
+tokens to the host on the copy engines. Without host indices on the CPU, a
+page_first backup would be the kernel writing every row to the host, 0.7 of
+the staged rate (docs/BENCHMARKS.md).
 
 Pointer tables carry no size: every op that takes one finds the allocation
 each address lies in (``transfer/pointer_tables.py``), bounds each side's
@@ -158,8 +161,16 @@ def can_use_write_back_jit_kernel(
     unroll: int | None = None,
     block_quota: int | None = None,
 ) -> bool:
-    """False on purpose (see the module docstring): no staging buffer needed."""
-    return False
+    """Whether SGLang's staged write-back (page_first backups whose host indices stay on the CPU) is served
+    through this package's staging area: where the kernel runs for these rows (it gathers) and staging is on
+    (``SGLANG_HICACHE_JIT_STAGING`` not 0). Never raises."""
+    try:
+        if isinstance(element_size, bool) or not isinstance(element_size, int) or element_size <= 0:
+            return False
+        return settings.staging_bytes() > 0 and kernel_available(element_size)
+    except Exception as exc:  # must never raise; the pools then back up through the kernel
+        log.warning("sglang-hicache-jit: staged write-back unavailable: %s", exc)
+        return False
 
 
 def transfer_hicache_one_layer(
@@ -287,7 +298,11 @@ def transfer_hicache_all_layer_staged_lf_pf(
     unroll: int | None = None,
     block_quota: int | None = None,
 ) -> None:
-    size, _ = compat.staged_geometry(staging_k, dst_k, element_size)
+    size, layout_dim = compat.staged_geometry(staging_k, dst_k, element_size)
+    if kernel_available(size) and _staged_lf_pf((dst_k, dst_v), (k_ptr_src, v_ptr_src), dst_indices, src_indices,
+                                                 size, layout_dim, dst_k.shape[1], memory=(staging_k, staging_v),
+                                                 write_back=True):
+        return
     if kernel_available(size):
         compat.transfer_hicache_all_layer_staged_lf_pf(k_ptr_src, v_ptr_src, src_indices, dst_indices, staging_k,
                                                        staging_v, dst_k, dst_v, page_size=page_size,
@@ -309,7 +324,10 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(
     unroll: int | None = None,
     block_quota: int | None = None,
 ) -> None:
-    size, _ = compat.staged_geometry(staging, dst, element_size)
+    size, layout_dim = compat.staged_geometry(staging, dst, element_size)
+    if kernel_available(size) and _staged_lf_pf((dst,), (ptr_src,), dst_indices, src_indices, size, layout_dim,
+                                                 dst.shape[1], memory=(staging,), write_back=True):
+        return
     if kernel_available(size):
         compat.transfer_hicache_all_layer_mla_staged_lf_pf(ptr_src, src_indices, dst_indices, staging, dst,
                                                            page_size=page_size, element_size=size,
@@ -453,30 +471,51 @@ def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, 
 
 
 _stagings: dict = {}  # staging.PageStaging per (host buffers, device pointer tables), for page_first backups
+# SGLang's staging buffers (64 pages) serve as the staging area when each half holds this many tokens. Smaller
+# ones (pages of a few tokens) would cut a backup into many chunks, each a gather that waits for SMs beside
+# compute and a few launches of host time (an 8K-token backup in 32-token chunks: 256 of them), so such a
+# write-back goes to the kernel row by row instead, and the plugin never takes GPU memory beyond upstream's.
+MIN_CHUNK_TOKENS = 256
 _stagings_lock = threading.Lock()
 
 
 def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, item_size: int, layout_dim: int,
-                  num_layers: int) -> bool:
+                  num_layers: int, memory: tuple | None = None, write_back: bool = False) -> bool:
     """A page_first backup through the device staging area (transfer/staging.py: a gather by the kernel, then
-    flat copies of whole pages on the copy engines), where route.routed_stages says it applies and the budget
-    holds a token; False: the caller copies rows."""
-    if isinstance(dst_indices, torch.Tensor) and isinstance(src_indices, torch.Tensor) and (
-            dst_indices.is_cuda or src_indices.is_cuda):
-        return False  # the kernel's backup, whose launch checks them
+    flat copies of whole pages on the copy engines), where route.routed_stages says it applies and there is
+    room for a token; False: the caller copies rows. ``dst_indices`` (host slots) must be on the CPU, where the
+    runs of slots are read without waiting for the GPU. ``write_back``: SGLang's staged write-back, whose
+    ``src_indices`` may be on the GPU (the gather bounds them there, and a negative one is an error, not
+    padding: staging.PageStaging.backup); elsewhere GPU indices go to the kernel's backup. ``memory``: SGLang's
+    own staging buffers for this pool (the write-back's), the staging area where each half holds at least
+    MIN_CHUNK_TOKENS tokens (else False), so the plugin needs no GPU memory beyond upstream's; without them
+    (SGLang's kvcacheio ops) the area is the budget's (``SGLANG_HICACHE_JIT_STAGING``)."""
     device = src_tables[0].device.index if src_tables[0].is_cuda else None
     bounds.check_index_tensor("dst_indices", dst_indices, device)  # before the staging area reads them as int64
     bounds.check_index_tensor("src_indices", src_indices, device)
+    if dst_indices.numel() != src_indices.numel():
+        raise ValueError(f"dst_indices has {dst_indices.numel()} entries but src_indices has {src_indices.numel()}; "
+                         "they must have the same length")
+    if dst_indices.is_cuda or (src_indices.is_cuda and not write_back):
+        return False  # the kernel's backup, whose launch checks them
     if not route.routed_stages(num_layers=num_layers, layout_dim=layout_dim, item_size=item_size,
-                               indices=(dst_indices, src_indices), hosts=hosts, before_probe=announce.flush):
+                               indices=(dst_indices,), hosts=hosts, before_probe=announce.flush):
+        return False
+    budget = settings.staging_bytes()
+    if not budget:
+        return False  # SGLANG_HICACHE_JIT_STAGING=0: staging is off, SGLang's buffers included
+    if memory is not None and not (
+            all(isinstance(m, torch.Tensor) and m.device == src_tables[0].device and m.is_contiguous()
+                and m.dtype == hosts[0].dtype and m.numel() * m.element_size() % (num_layers * item_size) == 0
+                for m in memory)
+            and min(m.numel() * m.element_size() for m in memory) // (num_layers * item_size) >= 2 * MIN_CHUNK_TOKENS):
         return False
     # The device rows every layer's allocation holds: the staging area checks src_indices against them.
     device_rows = min(pointer_tables.checked(t, name).rows(item_size, item_size, name)
                       for t, name in zip(src_tables, ("src_k_layers", "src_v_layers") if len(src_tables) > 1
                                          else ("src_layers",)))
-    budget = settings.staging_bytes()
     key = (tuple(h.data_ptr() for h in hosts) + tuple(t.data_ptr() for t in src_tables)
-           + (item_size, num_layers, device_rows))
+           + (item_size, num_layers, device_rows) + tuple(m.data_ptr() for m in memory or ()))
     with _stagings_lock:
         entry = _stagings.get(key)
         owner = compat._root(hosts[0])  # SGLang may pass a fresh view of its buffer on every call
@@ -490,7 +529,9 @@ def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, ite
                 area = staging.PageStaging([h.view(torch.uint8).view(-1, num_layers, item_size) for h in hosts],
                                            budget_bytes=budget,
                                            device=src_tables[0].device, device_rows=device_rows,
-                                           gather=staging.pointer_table_gather(src_tables, item_size))
+                                           gather=staging.pointer_table_gather(src_tables, item_size),
+                                           memory=None if memory is None else
+                                           [m.view(torch.uint8).view(-1, num_layers, item_size) for m in memory])
             except ValueError:  # no budget for a token (SGLANG_HICACHE_JIT_STAGING=0 turns staging off)
                 area = None
             if len(_stagings) >= 8:
