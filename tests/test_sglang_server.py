@@ -1080,3 +1080,72 @@ def test_select_takes_alternatives_and_leaves_out_what_ran():
         [f"0.5.19-mha-tiny-direct-layer_first-{m}" for m in plan.EQUAL_MODES] +
         ["0.5.19-mla-tiny-kernel-page_first_direct-plugin"])
     assert plan.select(cells) == cells
+
+
+class _Args:
+    """ServerArgs' fields as SGLang 0.5.20+ leaves them, with its stash of declared rewrites."""
+
+    def __init__(self, io_backend, layout, stash=None):
+        self.hicache_io_backend, self.hicache_mem_layout, self.page_size = io_backend, layout, 64
+        if stash is not None:
+            self._resolved_overrides = stash
+
+
+def test_effective_args_apply_the_rewrites_sglang_stashes_in_order():
+    """0.5.23's matrix recorded ``direct`` + ``page_first`` as served, while its trace showed the
+    page_first_direct ops: from 0.5.20 SGLang declares rewrites in ``_resolved_overrides`` and leaves the
+    fields as given. The last declaration of a field wins (as SGLang's resolution_result reads them)."""
+    stash = [("_resolve_layout_io_compatibility", {"hicache_mem_layout": "page_first_direct"}),
+             ("other", {"not_a_hicache_key": 1}),
+             ("later", {"hicache_mem_layout": "layer_first"})]
+    eff = engine_cell.effective_args(_Args("direct", "page_first", stash))
+    assert (eff["hicache_io_backend"], eff["hicache_mem_layout"], eff["page_size"]) == ("direct", "layer_first", 64)
+    assert "not_a_hicache_key" not in eff
+    plain = engine_cell.effective_args(_Args("kernel", "page_first"))  # 0.5.17-0.5.19: the fields are the truth
+    assert (plain["hicache_io_backend"], plain["hicache_mem_layout"]) == ("kernel", "page_first")
+
+
+@pytest.mark.parametrize("pair", sorted(plan.REWRITTEN) + [("kernel", "page_first")])
+def test_effective_args_match_the_installed_sglangs_own_resolution(pair, tmp_path):
+    """Against the installed SGLang's real ServerArgs and resolution pipeline (0.5.20+), where it has one."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolution_result
+        from sglang.srt.arg_groups.pipeline import run_resolution_pipeline
+        from sglang.srt.server_args import ServerArgs
+    except ImportError as exc:
+        pytest.skip(f"needs sglang 0.5.20+ installed (pip install sglang): {exc}")
+    models.make("mla-tiny", tmp_path / "model")
+    args = ServerArgs(model_path=str(tmp_path / "model"), enable_hierarchical_cache=True, hicache_io_backend=pair[0],
+                      hicache_mem_layout=pair[1], page_size=64, load_format="dummy", device="cpu")
+    run_resolution_pipeline(args)
+    eff = engine_cell.effective_args(args)
+    served = (eff["hicache_io_backend"], eff["hicache_mem_layout"])
+    assert served == (resolution_result(args, "hicache_io_backend"), resolution_result(args, "hicache_mem_layout"))
+    assert served == plan.effective(*pair)
+
+
+@pytest.mark.parametrize("kind", ["mha-tiny", "mha-8b"])
+def test_mha_models_use_a_class_the_installed_sglang_builds_without_the_cute_dsl(kind):
+    """0.5.23's matrix: every MHA engine (upstream too) died at model build, as SGLang's Llama MLP imports
+    ``cutlass`` from 0.5.22; the carry cannot hold that 92 MB wheel. The MHA models are Granite there, with
+    Llama's arithmetic."""
+    sglang = pytest.importorskip("sglang", reason="needs sglang installed (pip install sglang)")
+    import importlib
+    import inspect
+    import pkgutil
+
+    import sglang.srt.models as package
+
+    cfg = models.config(kind, sglang.__version__)
+    arch = cfg["architectures"][0]
+    modules = [m.name for m in pkgutil.iter_modules(package.__path__)]
+    wanted = {"LlamaForCausalLM": "llama", "GraniteForCausalLM": "granite"}[arch]
+    assert wanted in modules
+    source = inspect.getsource(importlib.import_module(f"sglang.srt.models.{wanted}"))
+    assert f"class {arch}" in source
+    if "DualGemm" in inspect.getsource(importlib.import_module("sglang.srt.models.llama")):
+        assert arch == "GraniteForCausalLM" and "DualGemm" not in source and "cutlass" not in source
+        assert cfg["attention_multiplier"] == cfg["head_dim"] ** -0.5  # Llama's softmax scale
+        assert (cfg["embedding_multiplier"], cfg["residual_multiplier"], cfg["logits_scaling"]) == (1.0, 1.0, 1.0)
+    assert models.kv_row_bytes(kind)["row"] == 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    assert models.config(kind, "0.5.17")["architectures"] == ["LlamaForCausalLM"]

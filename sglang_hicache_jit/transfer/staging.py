@@ -108,17 +108,18 @@ class PageStaging:
         self.used = [False, False]
         self._lock = threading.Lock()
 
-    def backup(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+    def backup(self, host_indices: torch.Tensor, device_indices: torch.Tensor, *, bound_on_gpu: bool = False) -> bool:
         """``host[host_indices[i]] = device[device_indices[i]]`` for every layer, staged. Returns False (and
         does nothing) where rows are better copied one by one: a negative host index, or a negative device
         index on the CPU (each skips its pair, which a block copy cannot), host slots in runs shorter than
         MIN_RUN tokens on average, for ``page_first_direct`` host slots that are not whole aligned pages, or a
         CUDA graph being captured on the current stream.
 
-        Device indices on the GPU are never read here (SGLang's staged write-back hands them so): one outside
-        the device pool, or negative, makes the gather skip that token and the next op on the device raise
-        TransferIndexError; the token's host slot then holds stale staging bytes, so the error must not be
-        ignored."""
+        Device indices are read on the host and refused before anything is copied (for GPU ones that waits for
+        the GPU), unless ``bound_on_gpu`` (SGLang's staged write-back, from its scheduler thread) and they are
+        on the GPU: then one outside the device pool, or a negative one, makes the gather skip that token and
+        the next op on the device raise TransferIndexError (maybe a later chunk's gather in this call); that
+        token's host slot holds stale staging bytes, so the error must not be ignored."""
         if torch.cuda.is_current_stream_capturing():
             return False  # staging reads the indices on the host; the row copies record into a graph
         host = host_indices.to("cpu", torch.int64)
@@ -141,7 +142,7 @@ class PageStaging:
         runs = int((blocks[1:] - blocks[:-1] != 1).sum()) + 1
         if runs * MIN_RUN > count:
             return False
-        if device_indices.is_cuda:
+        if bound_on_gpu and device_indices.is_cuda:
             # Read on the host they would cost a device sync in the caller's thread (SGLang's scheduler). The
             # gather's kernel bounds them on the device instead: a row outside the pool is skipped and the next
             # op raises TransferIndexError. A negative one cannot be padding here (a block copy cannot skip

@@ -294,6 +294,21 @@ def _median_ms(values):
     return round(statistics.median(values) * 1000, 2) if values else None
 
 
+
+def effective_args(server_args) -> dict:
+    """The HiCache arguments the engine runs with. SGLang 0.5.17-0.5.19 rewrite the fields themselves
+    (``kernel`` + ``page_first_direct`` becomes ``direct``, ``direct`` + ``page_first`` becomes
+    ``page_first_direct``); from 0.5.20 (its ``arg_groups``) the fields stay as given and each rewrite is
+    stashed in ``_resolved_overrides`` as (source, {field: value}), applied when the arguments are
+    published, so the fields alone name the pair asked for, not the one served (0.5.23's matrix,
+    2026-12-07: its traces showed the rewritten pair's ops)."""
+    effective = {k: getattr(server_args, k, None) for k in HICACHE_KEYS}
+    for entry in getattr(server_args, "_resolved_overrides", None) or ():
+        fields = entry[1] if isinstance(entry, tuple) and len(entry) == 2 else {}
+        effective.update({k: v for k, v in dict(fields).items() if k in effective})
+    return effective
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
@@ -319,7 +334,7 @@ def main() -> int:
         engine = sglang.Engine(**kwargs)
         record["engine_start_s"] = round(time.perf_counter() - start, 2)
         server_args = getattr(engine, "server_args", None)
-        record["effective"] = {k: getattr(server_args, k, None) for k in HICACHE_KEYS}
+        record["effective"] = effective_args(server_args)
         start = time.perf_counter()
         workloads = {"ttft": run_ttft, "realsize": run_realsize}
         workloads.get(spec.get("workload"), run_correctness)(engine, spec, record)

@@ -71,10 +71,11 @@ def configure(cells: list, workloads: str, rounds=None, order: str = "", lengths
     return sorted(cells, key=lambda c: first.index(c.mode) if c.mode in first else len(first))
 
 
-def prepare(work: Path, kinds) -> dict:
-    """Models, the logging config and the harness plugin under ``work``; the environment the engines need."""
+def prepare(work: Path, kinds, release: str | None = None) -> dict:
+    """Models (as SGLang ``release`` serves them), the logging config and the harness plugin under ``work``;
+    the environment the engines need."""
     work.mkdir(parents=True, exist_ok=True)
-    made = models.make_all(work / "models", tuple(sorted(kinds)))
+    made = models.make_all(work / "models", tuple(sorted(kinds)), release)
     (work / "logging.json").write_text(json.dumps(LOGGING))
     harness_plugin.install(work / "harness")
     path = os.pathsep.join([str(HERE.parent), str(work / "harness"), os.environ.get("PYTHONPATH", "")])
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
         cells = configure(cells, args.workloads, args.rounds, args.order, args.lengths)
     except ValueError as exc:
         parser.error(str(exc))
-    prepared = prepare(args.work, {c.model for c in cells})
+    prepared = prepare(args.work, {c.model for c in cells}, args.release)
     os.environ.update(prepared["env"])
     if args.dry_run:
         rows = dry_run(cells, prepared["models"], args.out, args.mode)

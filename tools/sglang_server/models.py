@@ -8,7 +8,7 @@ dummy weights a scale at which the output depends on the prompt (``weights.py``)
 * ``mla-kv``: the same rows in 61 layers, as DeepSeek-V3 has, with the small hidden size: a host hit
   moves as many bytes per token as a real DeepSeek-V3 (70,272 B), for timing;
 * ``mha-tiny``: Llama (``LlamaForCausalLM``), 4 layers, 2 KV heads of 128 (512-B K and V rows): the MHA
-  host pool;
+  host pool (from SGLang 0.5.22, Granite with Llama's arithmetic: see GRANITE_FROM);
 * ``mla-dsa``: DeepSeek-V3.2 (``DeepseekV32ForCausalLM``, with the indexer), 4 layers: the only models
   whose host pools SGLang layer-shards (two ranks, issue 28).
 
@@ -76,11 +76,30 @@ SHAPES = {"mla-tiny": (_DEEPSEEK, 4), "mla-kv": (_DEEPSEEK, 61), "mha-tiny": (_L
 REAL_SIZE = ("mha-8b", "mla-v2lite", "mla-v2lite-dense")
 
 
-def config(kind: str) -> dict:
+# From 0.5.22 SGLang's Llama (and Qwen2) MLP builds a CuTe-DSL dual GEMM on CUDA and imports ``cutlass``
+# (nvidia-cutlass-dsl: a 92 MB wheel, more than a device call carries), so the engine dies at model build,
+# with the plugin off too. Granite is Llama with four multipliers; set to Llama's values (attention scaled by
+# head_dim ** -0.5, the others 1) it computes the same, and SGLang's Granite class imports no CuTe DSL.
+GRANITE_FROM = (0, 5, 22)
+
+
+def _release(release: str | None) -> tuple:
+    try:
+        return tuple(int(part) for part in str(release).split(".")[:3])
+    except ValueError:  # a label such as 0.5.10.post1 keeps its first three numbers; None is no release
+        return ()
+
+
+def config(kind: str, release: str | None = None) -> dict:
     base, layers = SHAPES[kind]
     cfg = dict(base, num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=CONTEXT,
                bos_token_id=BOS, eos_token_id=EOS, pad_token_id=3, tie_word_embeddings=False,
                torch_dtype="bfloat16", use_cache=True)
+    if cfg["model_type"] == "llama" and _release(release) >= GRANITE_FROM:
+        cfg.update(architectures=["GraniteForCausalLM"], model_type="granite",
+                   attention_multiplier=cfg["head_dim"] ** -0.5, embedding_multiplier=1.0, residual_multiplier=1.0,
+                   logits_scaling=1.0)
+        return cfg
     if cfg["model_type"] != "llama" and "first_k_dense_replace" not in base:
         cfg["first_k_dense_replace"] = layers  # every layer dense: no MoE kernels
     return cfg
@@ -122,11 +141,12 @@ def train_tokenizer(vocab: int = VOCAB):
     return tok
 
 
-def make(kind: str, dest: Path, tokenizer=None) -> Path:
-    """Writes config.json, generation_config.json and the tokenizer files for ``kind`` into ``dest``."""
+def make(kind: str, dest: Path, tokenizer=None, release: str | None = None) -> Path:
+    """Writes config.json, generation_config.json and the tokenizer files for ``kind`` (as served by SGLang
+    ``release``) into ``dest``."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "config.json").write_text(json.dumps(config(kind), indent=1) + "\n")
+    (dest / "config.json").write_text(json.dumps(config(kind, release), indent=1) + "\n")
     (dest / "generation_config.json").write_text(json.dumps({"bos_token_id": BOS, "eos_token_id": EOS}) + "\n")
     (tokenizer or train_tokenizer()).save(str(dest / "tokenizer.json"))
     (dest / "tokenizer_config.json").write_text(json.dumps({
@@ -138,10 +158,10 @@ def make(kind: str, dest: Path, tokenizer=None) -> Path:
     return dest
 
 
-def make_all(root: Path, kinds=tuple(SHAPES)) -> dict:
+def make_all(root: Path, kinds=tuple(SHAPES), release: str | None = None) -> dict:
     """Every kind under ``root/<kind>``, one tokenizer trained for all."""
     tok = train_tokenizer()
-    return {kind: str(make(kind, Path(root) / kind, tok)) for kind in kinds}
+    return {kind: str(make(kind, Path(root) / kind, tok, release)) for kind in kinds}
 
 
 if __name__ == "__main__":

@@ -538,7 +538,7 @@ def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, ite
                 _stagings.clear()
             entry = _stagings[key] = (weakref.ref(owner), budget, area)
     area = entry[2]
-    return area is not None and area.backup(dst_indices, src_indices)
+    return area is not None and area.backup(dst_indices, src_indices, bound_on_gpu=write_back)
 
 
 def transfer_kv_all_layer_lf_pf(src_k_layers, dst_k, src_v_layers, dst_v, src_indices, dst_indices, item_size,
