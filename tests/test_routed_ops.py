@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sglang_hicache_jit.integrations.sglang import ops as routed
+from sglang_hicache_jit.transfer import route
 
 ROW = 1152
 
@@ -117,7 +118,7 @@ def test_all_layer_backups_default_to_the_gpu_to_host_cta_budget(monkeypatch):
 
 @pytest.mark.parametrize("element_size", [0, -4, True, 2.0, "576", None])
 def test_can_use_write_back_jit_kernel_refuses_a_row_size_that_is_not_one(element_size, monkeypatch):
-    monkeypatch.setattr(routed, "kernel_available", lambda size: True)
+    monkeypatch.setattr(route, "kernel_works", lambda size, before_probe=None: True)
     assert routed.can_use_write_back_jit_kernel(element_size=element_size) is False
 
 
@@ -129,9 +130,31 @@ def test_can_use_write_back_jit_kernel_refuses_a_row_size_that_is_not_one(elemen
 ])
 def test_can_use_write_back_jit_kernel_says_whether_staging_serves_the_write_back(staging, kernel, answer,
                                                                                   monkeypatch):
-    monkeypatch.setattr(routed, "kernel_available", lambda size: kernel)
+    monkeypatch.setattr(route, "kernel_works", lambda size, before_probe=None: kernel)
     if staging is None:
         monkeypatch.delenv("SGLANG_HICACHE_JIT_STAGING", raising=False)
     else:
         monkeypatch.setenv("SGLANG_HICACHE_JIT_STAGING", staging)
     assert routed.can_use_write_back_jit_kernel(element_size=576) is answer
+
+
+def test_sglangs_staging_buffers_are_the_staging_area_only_where_they_fit():
+    """route.write_back_memory_fits, the rule for SGLang's own staging buffers (64 pages, cut in two halves)."""
+    layers, row = 4, 576
+    token = layers * row
+
+    def buffers(tokens, dtype=torch.bfloat16, n=2):
+        return tuple(torch.empty((tokens, layers, row // 2), dtype=dtype) for _ in range(n))
+
+    fits = lambda memory, **kw: route.write_back_memory_fits(  # noqa: E731
+        memory, device=kw.get("device", torch.device("cpu")), dtype=torch.bfloat16, token_bytes=token)
+    enough = 2 * route.WRITE_BACK_MIN_CHUNK_TOKENS
+    assert fits(buffers(enough))
+    assert not fits(buffers(enough - 1))  # a half below the minimum: the kernel writes the rows instead
+    assert not fits(buffers(enough, torch.float16))  # not the host's dtype
+    assert not fits(buffers(enough), device=torch.device("meta"))  # not on the gather's device
+    assert not fits((buffers(enough)[0], buffers(enough - 1)[0]))  # the smaller of K and V decides
+    strided = torch.empty((enough, layers, row), dtype=torch.bfloat16)[:, :, : row // 2]
+    assert not fits((strided,))  # not contiguous
+    assert not fits((torch.empty(enough * token // 2 + 1, dtype=torch.bfloat16),))  # not whole tokens
+    assert not fits(("not a tensor",))

@@ -262,7 +262,7 @@ def _write_back(kind, h, d, memory_pages, monkeypatch, *, min_chunk=None):
     """SGLang's staged write-back of ``kind`` ('mla' or 'mha') with CPU host indices ``h`` and device indices
     ``d``, through the routed op, with staging buffers of ``memory_pages`` pages as SGLang allocates them."""
     if min_chunk is not None:
-        monkeypatch.setattr(sglang_ops, "MIN_CHUNK_TOKENS", min_chunk)
+        monkeypatch.setattr(sglang_ops.route, "WRITE_BACK_MIN_CHUNK_TOKENS", min_chunk)
     sglang_ops.reset()
     heads, dim = (1, 288) if kind == "mla" else (2, 64)
     hosts = [rand((HOST_PAGES * PAGE, LAYERS, heads, dim), pin=True) for _ in range(1 if kind == "mla" else 2)]
@@ -284,7 +284,7 @@ def _write_back(kind, h, d, memory_pages, monkeypatch, *, min_chunk=None):
 def test_staged_write_back_with_cpu_host_indices_goes_through_sglangs_staging_buffers(kind, memory, monkeypatch):
     """SGLang's staged write-back (can_use_write_back_jit True: host indices on the CPU, device indices on the
     GPU): the routed op stages the backup in SGLang's own staging buffers (here 4 pages, so 9 pages take 5
-    chunks through both halves); buffers whose halves hold fewer than MIN_CHUNK_TOKENS tokens are left alone
+    chunks through both halves); buffers whose halves hold fewer than route.WRITE_BACK_MIN_CHUNK_TOKENS tokens are left alone
     and the kernel writes the rows. Bit-exact either way."""
     h, d = tokens(pick(9, HOST_PAGES, 51)), tokens(pick(9, DEV_PAGES, 52)).cuda()
     hosts, devs, staging, expected = _write_back(kind, h, d, 4, monkeypatch,

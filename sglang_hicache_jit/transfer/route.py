@@ -216,6 +216,31 @@ def routed_stages(*, num_layers: int, layout_dim: int, item_size: int, indices: 
             and kernel_works(item_size, before_probe=before_probe))
 
 
+# SGLang's staged write-back (its page_first backups with host indices kept on the CPU, into staging buffers
+# of 64 pages it allocates) is staged in those buffers, cut in two halves, when each half holds this many
+# tokens. Smaller ones (pages of a few tokens) would cut a backup into many chunks, each a gather that waits
+# for SMs beside compute and a few launches of host time (an 8K-token backup in 32-token chunks: 256), so
+# such a write-back goes to the kernel row by row, and the plugin never takes GPU memory beyond upstream's.
+WRITE_BACK_MIN_CHUNK_TOKENS = 256
+
+
+def write_back_staged(row_bytes: int, *, before_probe=None) -> bool:
+    """Whether SGLang's staged write-back is served through the staging area (what the routed
+    ``can_use_write_back_jit_kernel`` answers): staging on (``SGLANG_HICACHE_JIT_STAGING`` not 0) and the
+    kernel, which gathers, available for the rows."""
+    from .. import settings
+
+    return settings.staging_bytes() > 0 and kernel_available(row_bytes, before_probe=before_probe)
+
+
+def write_back_memory_fits(memory: tuple, *, device, dtype, token_bytes: int) -> bool:
+    """Whether SGLang's staging buffers can be the staging area: on the gather's device, contiguous, of the
+    host's dtype, whole tokens of ``token_bytes``, and halves of at least WRITE_BACK_MIN_CHUNK_TOKENS."""
+    return all(isinstance(m, torch.Tensor) and m.device == device and m.is_contiguous() and m.dtype == dtype
+               and m.numel() * m.element_size() % token_bytes == 0 for m in memory) and min(
+        m.numel() * m.element_size() for m in memory) // token_bytes >= 2 * WRITE_BACK_MIN_CHUNK_TOKENS
+
+
 # ---------------------------------------------------------------------------
 # The copy engines' plans.
 

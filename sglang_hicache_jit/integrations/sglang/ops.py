@@ -167,7 +167,7 @@ def can_use_write_back_jit_kernel(
     try:
         if isinstance(element_size, bool) or not isinstance(element_size, int) or element_size <= 0:
             return False
-        return settings.staging_bytes() > 0 and kernel_available(element_size)
+        return route.write_back_staged(element_size, before_probe=announce.flush)
     except Exception as exc:  # must never raise; the pools then back up through the kernel
         log.warning("sglang-hicache-jit: staged write-back unavailable: %s", exc)
         return False
@@ -471,11 +471,6 @@ def transfer_kv_all_layer_mla(src_layers, dst_layers, src_indices, dst_indices, 
 
 
 _stagings: dict = {}  # staging.PageStaging per (host buffers, device pointer tables), for page_first backups
-# SGLang's staging buffers (64 pages) serve as the staging area when each half holds this many tokens. Smaller
-# ones (pages of a few tokens) would cut a backup into many chunks, each a gather that waits for SMs beside
-# compute and a few launches of host time (an 8K-token backup in 32-token chunks: 256 of them), so such a
-# write-back goes to the kernel row by row instead, and the plugin never takes GPU memory beyond upstream's.
-MIN_CHUNK_TOKENS = 256
 _stagings_lock = threading.Lock()
 
 
@@ -487,8 +482,8 @@ def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, ite
     runs of slots are read without waiting for the GPU. ``write_back``: SGLang's staged write-back, whose
     ``src_indices`` may be on the GPU (the gather bounds them there, and a negative one is an error, not
     padding: staging.PageStaging.backup); elsewhere GPU indices go to the kernel's backup. ``memory``: SGLang's
-    own staging buffers for this pool (the write-back's), the staging area where each half holds at least
-    MIN_CHUNK_TOKENS tokens (else False), so the plugin needs no GPU memory beyond upstream's; without them
+    own staging buffers for this pool (the write-back's), the staging area where route.write_back_memory_fits
+    (else False), so the plugin needs no GPU memory beyond upstream's; without them
     (SGLang's kvcacheio ops) the area is the budget's (``SGLANG_HICACHE_JIT_STAGING``)."""
     device = src_tables[0].device.index if src_tables[0].is_cuda else None
     bounds.check_index_tensor("dst_indices", dst_indices, device)  # before the staging area reads them as int64
@@ -504,11 +499,8 @@ def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, ite
     budget = settings.staging_bytes()
     if not budget:
         return False  # SGLANG_HICACHE_JIT_STAGING=0: staging is off, SGLang's buffers included
-    if memory is not None and not (
-            all(isinstance(m, torch.Tensor) and m.device == src_tables[0].device and m.is_contiguous()
-                and m.dtype == hosts[0].dtype and m.numel() * m.element_size() % (num_layers * item_size) == 0
-                for m in memory)
-            and min(m.numel() * m.element_size() for m in memory) // (num_layers * item_size) >= 2 * MIN_CHUNK_TOKENS):
+    if memory is not None and not route.write_back_memory_fits(memory, device=src_tables[0].device,
+                                                               dtype=hosts[0].dtype, token_bytes=num_layers * item_size):
         return False
     # The device rows every layer's allocation holds: the staging area checks src_indices against them.
     device_rows = min(pointer_tables.checked(t, name).rows(item_size, item_size, name)
