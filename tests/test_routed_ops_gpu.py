@@ -328,3 +328,28 @@ def test_can_use_write_back_jit_kernel_answers_whether_staging_serves(monkeypatc
     assert sglang_ops.can_use_write_back_jit_kernel(element_size=576) is True
     monkeypatch.setenv("SGLANG_HICACHE_JIT_STAGING", "0")
     assert sglang_ops.can_use_write_back_jit_kernel(element_size=576) is False
+
+
+def test_two_pools_sharing_one_staging_memory_back_up_without_loss(monkeypatch):
+    """From 0.5.23 SGLang may hand several host pools slices of one staging allocation (its
+    ``write_back_staging``): each pool's staging area then lives in the same memory. Backups of both on one
+    stream, alternating, each in several chunks, must leave both host pools exact."""
+    monkeypatch.setattr(sglang_ops.route, "WRITE_BACK_MIN_CHUNK_TOKENS", 2 * PAGE)
+    sglang_ops.reset()
+    dim = 288
+    shared = torch.empty((4 * PAGE, LAYERS, 1, dim), dtype=torch.bfloat16, device="cuda")
+    hosts = [rand((HOST_PAGES * PAGE, LAYERS, 1, dim), pin=True) for _ in range(2)]
+    devs = [[rand((DEV_PAGES * PAGE, 1, dim), device="cuda") for _ in range(LAYERS)] for _ in range(2)]
+    expected = [h.clone() for h in hosts]
+    for step in range(6):
+        pool = step % 2
+        h, d = tokens(pick(9, HOST_PAGES, 60 + step)), tokens(pick(9, DEV_PAGES, 70 + step)).cuda()
+        sglang_ops.transfer_hicache_all_layer_mla_staged_lf_pf(table(devs[pool]), d, h, shared, hosts[pool],
+                                                               page_size=PAGE)
+        for layer in range(LAYERS):  # a pool whose copies read the other pool's gather gets its rows
+            expected[pool][h, layer] = devs[pool][layer][d.cpu()].cpu()
+    torch.cuda.synchronize()
+    assert len(sglang_ops._stagings) == 2 and all(e[2] is not None for e in sglang_ops._stagings.values())
+    for host, want in zip(hosts, expected):
+        assert same(host, want)
+    sglang_ops.reset()
