@@ -172,7 +172,7 @@ def test_the_staged_backup_refuses_non_integer_host_indices_before_staging_reads
     host = fake_gpu.pinned(torch.zeros(16, L, D, dtype=torch.int32))
     table = fake_gpu.cuda(torch.tensor([1, 2, 3], dtype=torch.int64).view(torch.uint64))
     staged = []
-    area = type("Area", (), {"backup": lambda self, dst, src: staged.append((dst, src)) or True})()
+    area = type("Area", (), {"backup": lambda self, dst, src, **kw: staged.append((dst, src)) or True})()
     if hasattr(routed, "_kernel_works"):  # the probe says the kernel (the staging area's gather) works
         monkeypatch.setattr(routed, "_kernel_works", lambda size: True)
     else:  # where transfer/route.py decides
