@@ -3,7 +3,7 @@
 * ``plan-cost`` (CPU, no GPU touched): host time of each planning stage of ``direct.copy_rows`` for
   ``--pages`` random pages of one packed pair (CPU indices, as HiCache's host side has them), median of
   50 calls each, and what a later layer of a load pays instead: a hit in route.py's plan cache (the index
-  bytes compared).
+  bytes compared); and the plan of one chunk of a staged backup (made per chunk of every backup).
 * ``copy-sizes`` (GPU): one ``cudaMemcpy3DBatchAsync`` call (what the direct path submits; the driver's
   ``cuMemcpyBatchAsync`` is never called, docs/troubleshooting.md) moving 64 MiB in copies of 8 rows to 4 MiB, pages
   placed at random on both sides (host side sorted, as HiCache allocates), random bytes. Each direction
@@ -65,12 +65,23 @@ def planning(args, out) -> int:
         "describe_copies": lambda: direct.describe_copies(pairs, split),
         "plan cache hit": lambda: cache.get(dev_idx, host_idx, "load", make),
     }
+    # A staged backup's chunk (transfer/staging.py, _submit): runs of host token blocks against consecutive
+    # staged blocks, planned once per chunk of every backup (nothing to reuse: the host slots differ), here
+    # the chunk of SGLang's staging buffers for a Llama-3.1-8B-shaped pool (2,048 tokens of 32 x 2 KiB, K and V)
+    # whose host slots are consecutive pages, as HiCache's allocator hands them.
+    chunk, block = 2048, 32 * 2048
+    staged_pairs = direct.Pairs([(direct.Rows.at((1 << 42) + c * (1 << 40), block, block, 0, 32 * chunk),
+                                  direct.Rows.at((1 << 41) + c * (1 << 36), block, block, 0, chunk))
+                                 for c in range(2)])
+    chunk_blocks = torch.arange(5 * chunk, 6 * chunk)
+    stages["staged chunk plan (2048 tokens, K and V)"] = lambda: direct.CopyPlan(
+        staged_pairs, direct.find_runs(chunk_blocks, torch.arange(chunk)))
     print(f"planning {pages} pages of {page_rows} x {row} B ({pages * page_rows} indices), torch threads "
           f"{torch.get_num_threads()}:")
     for stage, fn in stages.items():
         us = median_us(fn)
         out.row(stage=stage, us=us, pages=pages, page_rows=page_rows, row_bytes=row)
-        print(f"  {stage:<18} {us:8.1f} us", flush=True)
+        print(f"  {stage:<40} {us:8.1f} us", flush=True)
     return 0
 
 
