@@ -1149,3 +1149,19 @@ def test_mha_models_use_a_class_the_installed_sglang_builds_without_the_cute_dsl
         assert (cfg["embedding_multiplier"], cfg["residual_multiplier"], cfg["logits_scaling"]) == (1.0, 1.0, 1.0)
     assert models.kv_row_bytes(kind)["row"] == 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
     assert models.config(kind, "0.5.17")["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_realsize_takes_the_modes_asked_for_and_refuses_others(tmp_path):
+    """--modes plugin,plugin-nostaging,upstream: the A/B of staging's scheduler time (SGLANG_HICACHE_JIT_STAGING=0
+    declines SGLang's staged write-back); a mode the engine cell does not know is refused before any engine."""
+    cells = plan.realsize("0.5.17", models=("mha-8b",), modes=("plugin", "plugin-nostaging", "upstream"))
+    assert [c.mode for c in cells] == ["plugin", "plugin-nostaging", "upstream"]
+    assert engine_cell.MODES["plugin-nostaging"] == {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1",
+                                                     "SGLANG_HICACHE_JIT_STAGING": "0"}
+    assert set(plan.ALL_MODES) == set(engine_cell.MODES)
+    assert "plugin-nostaging" not in plan.REALSIZE_MODES  # asked for by name only
+    from sglang_server import main
+
+    for bad in (["realsize", "--modes", "plugin,turbo"], ["matrix", "--modes", "plugin"]):
+        with pytest.raises(SystemExit):
+            main.main(bad + ["--release", "0.5.17", "--out", str(tmp_path / "out"), "--dry-run"])

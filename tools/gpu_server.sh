@@ -15,7 +15,8 @@
 # tools/sglang_server/main.py runs per mode, which leaves <mode>-summary.md, <mode>-summary.json and
 # <mode>-cells.tar.gz in $OUT (with imports.json and gpu-clocks.csv: 8 files for two modes, the most a call
 # returns).
-# Extra arguments go to main.py (--budget-s, --parallel, --only A,B, --skip A,B, --rounds N, --lengths N,M, --order A,B, --dry-run).
+# Extra arguments go to main.py (--budget-s, --parallel, --only A,B, --skip A,B, --rounds N, --lengths N,M, --order A,B,
+# --modes A,B for realsize, --dry-run).
 # carry.json's env (e.g. SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 for a cross-pinned carry, whose results are
 # labelled unofficial, or SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python for 0.5.23) is exported as data:
 # install.py checks each name and writes NAME=value items that are exported as they are, never evaluated.

@@ -9,6 +9,8 @@ workload. The mode sets, before SGLang is imported (its processes inherit the en
   the real sgl-kernel and SGLang's own JIT kernels;
 * ``plugin``: the plugin on (the JIT kernel where the probe says ok, else the copy engines);
 * ``plugin-nojit``: the plugin on with ``SGLANG_HICACHE_JIT_DISABLE=1`` (copy engines only);
+* ``plugin-nostaging``: the plugin on with ``SGLANG_HICACHE_JIT_STAGING=0``: SGLang's staged write-back
+  is declined, so every backup is the kernel writing rows to the host (the A/B of staging's host time);
 * ``control``: as ``upstream``, with every row loaded back from the host zeroed on the device
   (``harness_plugin.py``): its outputs must differ, or the test cannot see the KV bytes;
 * ``control-plugin``: the same corruption with the plugin on;
@@ -40,6 +42,7 @@ MODES = {
     "upstream": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0"},
     "plugin": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1"},
     "plugin-nojit": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "SGLANG_HICACHE_JIT_DISABLE": "1"},
+    "plugin-nostaging": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "SGLANG_HICACHE_JIT_STAGING": "0"},
     "control": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0", "HICACHE_SERVER_CORRUPT": "zero"},
     "control-plugin": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "HICACHE_SERVER_CORRUPT": "zero"},
     "hicache-off": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0"},

@@ -145,13 +145,21 @@ def main(argv=None) -> int:
                         help="realsize: which workloads each engine runs (ttft, tpot or both)")
     parser.add_argument("--lengths", default="", help="TTFT prefix lengths (default: the plan's, e.g. 8192,32768)")
     parser.add_argument("--order", default="", help="these modes first, in this order (e.g. plugin,upstream)")
+    parser.add_argument("--modes", default="", help="realsize: the engines' modes instead of the plan's "
+                        "(comma-separated, e.g. plugin,plugin-nostaging,upstream)")
     parser.add_argument("--label", default="", help="put into the summary's title (e.g. 'unofficial')")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     started = time.monotonic()
     deadline = started + args.budget_s
     args.out.mkdir(parents=True, exist_ok=True)
-    cells = plan.select(plan.PLANS[args.mode](args.release), only=args.only, skip=args.skip)
+    if args.modes:
+        modes = tuple(m for m in args.modes.split(",") if m)
+        if args.mode != "realsize" or not modes or set(modes) - set(plan.ALL_MODES):
+            parser.error(f"--modes takes modes of {', '.join(plan.ALL_MODES)} for realsize, not {args.modes!r}")
+        cells = plan.select(plan.realsize(args.release, modes=modes), only=args.only, skip=args.skip)
+    else:
+        cells = plan.select(plan.PLANS[args.mode](args.release), only=args.only, skip=args.skip)
     try:
         cells = configure(cells, args.workloads, args.rounds, args.order, args.lengths)
     except ValueError as exc:

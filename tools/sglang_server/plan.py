@@ -26,7 +26,8 @@ PAIRS = (("kernel", "page_first"), ("kernel", "layer_first"), ("direct", "page_f
 REWRITTEN = {("kernel", "page_first_direct"): ("direct", "page_first_direct"),
              ("direct", "page_first"): ("direct", "page_first_direct")}
 EQUAL_MODES = ("upstream", "plugin", "plugin-nojit")
-ALL_MODES = ("upstream", "plugin", "plugin-nojit", "control", "control-plugin", "hicache-off")  # engine_cell.MODES
+ALL_MODES = ("upstream", "plugin", "plugin-nojit", "control", "control-plugin", "hicache-off",
+             "plugin-nostaging")  # engine_cell.MODES
 
 
 @dataclass
@@ -74,19 +75,21 @@ def ttft(release: str) -> list:
 
 
 REALSIZE_MODES = ("upstream", "plugin", "plugin-nojit", "hicache-off")
+# Asked for by name only (--modes): the plugin without staging, to tell what staging costs the scheduler.
+REALSIZE_EXTRA_MODES = ("plugin-nostaging",)
 # The real-size engines: decode CUDA graphs on (up to the TPOT batch and the traffic beside it), prefill
 # graphs off (prefills of 8K-32K tokens gain nothing from them, and capturing them costs each start).
 REALSIZE_ARGS = {"disable_cuda_graph": False, "disable_prefill_cuda_graph": True, "cuda_graph_max_bs_decode": 48,
                  "cuda_graph_max_bs": 48}
 
 
-def realsize(release: str, models=("mha-8b", "mla-v2lite")) -> list:
+def realsize(release: str, models=("mha-8b", "mla-v2lite"), modes=REALSIZE_MODES) -> list:
     """Per model, one engine per mode, in this order (the three modes the issue compares first).
 
     The kernel + page_first pair is SGLang's default HiCache configuration, so upstream runs its
     sgl-kernel there and the plugin its defaults."""
     return [Cell(release, model, "kernel", "page_first", mode, workload="realsize", extra={"extra_args": REALSIZE_ARGS})
-            for model in models for mode in REALSIZE_MODES]
+            for model in models for mode in modes]
 
 
 def cp2(release: str) -> list:
