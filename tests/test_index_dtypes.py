@@ -188,3 +188,61 @@ def test_the_staged_backup_refuses_non_integer_host_indices_before_staging_reads
         with pytest.raises(error, match="dst_indices"):
             routed.transfer_kv_all_layer_mla_lf_pf(table, host, torch.arange(2), make(), D * 4, L * D * 4, L)
     assert len(staged) == 1
+
+
+def _write_back_routing(monkeypatch):
+    """A page_first MLA host pool, its device pointer table and SGLang's staging buffer, as stand-ins, with a
+    staging area that records what it is asked, and the two other paths recording that they ran."""
+    host = fake_gpu.pinned(torch.zeros(16, L, D, dtype=torch.int32))
+    table = fake_gpu.cuda(torch.tensor([1, 2, 3], dtype=torch.int64).view(torch.uint64))
+    memory = fake_gpu.cuda(torch.zeros(4, L, D, dtype=torch.int32))  # SGLang's staging buffer: 4 tokens
+    seen = []
+    area = type("Area", (), {"backup": lambda self, dst, src, **kw: seen.append(("staged", kw)) or True})()
+    monkeypatch.setattr(routed, "kernel_available", lambda size: True)
+    monkeypatch.setattr(routed.route, "routed_stages", lambda **kwargs: True)
+    monkeypatch.setattr(routed.route, "WRITE_BACK_MIN_CHUNK_TOKENS", 2)
+    monkeypatch.setattr(routed.pointer_tables, "checked", lambda t, name: type(
+        "Checked", (), {"rows": lambda self, stride, row, name: 16})())
+    monkeypatch.setattr(routed.compat, "transfer_hicache_all_layer_mla_staged_lf_pf",
+                        lambda *a, **kw: seen.append(("kernel", {})))
+    monkeypatch.setattr(routed, "_all_layers", lambda *a, **kw: seen.append(("kernel", {})))
+    monkeypatch.setattr(routed.compat, "host_layer_table", lambda *a: None)  # built on a GPU; _all_layers is stubbed
+    monkeypatch.setitem(routed._stagings, (host.data_ptr(), table.data_ptr(), D * 4, L, 16, memory.data_ptr()),
+                        (lambda: routed.compat._root(host), routed.settings.staging_bytes(), area))
+    return host, table, memory, seen
+
+
+def test_the_staged_write_back_stages_with_device_indices_on_the_gpu_and_host_indices_on_the_cpu(monkeypatch):
+    """SGLang's staged write-back keeps the host indices on the CPU and hands the device indices on the GPU: the
+    routed op stages it in SGLang's buffer, asking the area to bound the device indices on the GPU (reading them
+    would stall the scheduler). Host indices on the GPU (a release that moves them) go to the kernel, and the
+    sgl-kernel op with GPU device indices stays the kernel's (its padding rule: a negative index skips)."""
+    host, table, memory, seen = _write_back_routing(monkeypatch)
+    on_gpu = fake_gpu.cuda(torch.arange(2))
+    routed.transfer_hicache_all_layer_mla_staged_lf_pf(table, on_gpu, torch.arange(2), memory, host, page_size=1)
+    assert seen == [("staged", {"bound_on_gpu": True})]
+    seen.clear()
+    routed.transfer_hicache_all_layer_mla_staged_lf_pf(table, on_gpu, fake_gpu.cuda(torch.arange(2)), memory, host,
+                                                       page_size=1)
+    assert seen == [("kernel", {})]
+    seen.clear()
+    routed.transfer_kv_all_layer_mla_lf_pf(table, host, on_gpu, torch.arange(2), D * 4, L * D * 4, L)
+    assert seen == [("kernel", {})]
+    seen.clear()
+    with pytest.raises(ValueError, match="dst_indices has 3 entries but src_indices has 2"):
+        routed.transfer_hicache_all_layer_mla_staged_lf_pf(table, on_gpu, torch.arange(3), memory, host, page_size=1)
+    assert seen == []
+
+
+def test_a_staging_buffer_too_small_for_two_chunks_leaves_the_write_back_to_the_kernel(monkeypatch):
+    host, table, memory, seen = _write_back_routing(monkeypatch)
+    monkeypatch.setattr(routed.route, "WRITE_BACK_MIN_CHUNK_TOKENS", 3)  # 4 tokens: halves of 2
+    routed.transfer_hicache_all_layer_mla_staged_lf_pf(table, fake_gpu.cuda(torch.arange(2)), torch.arange(2),
+                                                       memory, host, page_size=1)
+    assert seen == [("kernel", {})]
+    monkeypatch.setenv("SGLANG_HICACHE_JIT_STAGING", "0")  # staging off: SGLang's buffer is not used either
+    monkeypatch.setattr(routed.route, "WRITE_BACK_MIN_CHUNK_TOKENS", 2)
+    seen.clear()
+    routed.transfer_hicache_all_layer_mla_staged_lf_pf(table, fake_gpu.cuda(torch.arange(2)), torch.arange(2),
+                                                       memory, host, page_size=1)
+    assert seen == [("kernel", {})]
