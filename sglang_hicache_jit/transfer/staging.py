@@ -81,7 +81,7 @@ class PageStaging:
         block_elems = self.layers * self.page * math.prod(row_shape)
         block_bytes = block_elems * first.element_size() * len(host_caches)
         if memory is not None:
-            _check_memory(memory, host_caches, self.page, device)
+            _check_memory(memory, host_caches, device)
         elif budget_bytes < 2 * block_bytes:
             raise ValueError(f"a staging budget of {budget_bytes} bytes holds no host block of {block_bytes} bytes "
                              "in each of its two buffers")
@@ -185,7 +185,7 @@ class PageStaging:
             self.used[b] = True
 
 
-def _check_memory(memory: list, host_caches: list, page: int, device) -> None:
+def _check_memory(memory: list, host_caches: list, device) -> None:
     """The caller's staging buffers: one per host cache, on the staging device, contiguous, with the host
     blocks' shape and dtype, and room for a block in each half."""
     if len(memory) != len(host_caches):

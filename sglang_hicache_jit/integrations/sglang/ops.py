@@ -299,14 +299,12 @@ def transfer_hicache_all_layer_staged_lf_pf(
     block_quota: int | None = None,
 ) -> None:
     size, layout_dim = compat.staged_geometry(staging_k, dst_k, element_size)
-    if kernel_available(size) and _staged_lf_pf((dst_k, dst_v), (k_ptr_src, v_ptr_src), dst_indices, src_indices,
-                                                 size, layout_dim, dst_k.shape[1], memory=(staging_k, staging_v),
-                                                 write_back=True):
-        return
     if kernel_available(size):
-        compat.transfer_hicache_all_layer_staged_lf_pf(k_ptr_src, v_ptr_src, src_indices, dst_indices, staging_k,
-                                                       staging_v, dst_k, dst_v, page_size=page_size,
-                                                       element_size=size, block_quota=block_quota)
+        if not _staged_lf_pf((dst_k, dst_v), (k_ptr_src, v_ptr_src), dst_indices, src_indices, size, layout_dim,
+                             dst_k.shape[1], memory=(staging_k, staging_v), write_back=True):
+            compat.transfer_hicache_all_layer_staged_lf_pf(k_ptr_src, v_ptr_src, src_indices, dst_indices,
+                                                           staging_k, staging_v, dst_k, dst_v, page_size=page_size,
+                                                           element_size=size, block_quota=block_quota)
         return
     _copy(_staged_pairs(k_ptr_src, dst_k, size, "k_ptr_src") + _staged_pairs(v_ptr_src, dst_v, size, "v_ptr_src"),
           dst_indices, src_indices, names=("dst_indices", "src_indices"))
@@ -325,13 +323,12 @@ def transfer_hicache_all_layer_mla_staged_lf_pf(
     block_quota: int | None = None,
 ) -> None:
     size, layout_dim = compat.staged_geometry(staging, dst, element_size)
-    if kernel_available(size) and _staged_lf_pf((dst,), (ptr_src,), dst_indices, src_indices, size, layout_dim,
-                                                 dst.shape[1], memory=(staging,), write_back=True):
-        return
     if kernel_available(size):
-        compat.transfer_hicache_all_layer_mla_staged_lf_pf(ptr_src, src_indices, dst_indices, staging, dst,
-                                                           page_size=page_size, element_size=size,
-                                                           block_quota=block_quota)
+        if not _staged_lf_pf((dst,), (ptr_src,), dst_indices, src_indices, size, layout_dim, dst.shape[1],
+                             memory=(staging,), write_back=True):
+            compat.transfer_hicache_all_layer_mla_staged_lf_pf(ptr_src, src_indices, dst_indices, staging, dst,
+                                                               page_size=page_size, element_size=size,
+                                                               block_quota=block_quota)
         return
     _copy(_staged_pairs(ptr_src, dst, size, "ptr_src"), dst_indices, src_indices,
           names=("dst_indices", "src_indices"))
@@ -524,7 +521,7 @@ def _staged_lf_pf(hosts: tuple, src_tables: tuple, dst_indices, src_indices, ite
                                            gather=staging.pointer_table_gather(src_tables, item_size),
                                            memory=None if memory is None else
                                            [m.view(torch.uint8).view(-1, num_layers, item_size) for m in memory])
-            except ValueError:  # no budget for a token (SGLANG_HICACHE_JIT_STAGING=0 turns staging off)
+            except ValueError:  # no budget for a token, or staging memory the area refuses
                 area = None
             if len(_stagings) >= 8:
                 _stagings.clear()
