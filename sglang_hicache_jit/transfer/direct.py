@@ -393,19 +393,27 @@ class CopyPlan:
         """Whether this plan's copies are those of ``pairs`` up to their base addresses."""
         return pairs.geometry == self.geometry
 
-    def run(self, pairs: Pairs, *, mode: str = "auto") -> str:
-        """Copies the planned rows of ``pairs`` (which must fit this plan); returns what ran (copy_rows)."""
+    def run(self, pairs: Pairs, *, mode: str = "auto", part: tuple[int, int] | None = None) -> str:
+        """Copies the planned rows of ``pairs`` (which must fit this plan); returns what ran (copy_rows).
+        ``part`` = (first, end) copies only runs ``first:end`` of the plan (for every pair): a staged backup
+        plans all its chunks at once and sends each when its staging buffer is full. Runs are counted as
+        planned, so a plan with a part must not have had a run split (``n_runs == len(runs)``)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not self.fits(pairs):
             raise ValueError("pairs differ from the ones this copy plan was made for (strides, row sizes or row "
                              "counts); plan the transfer for them")
+        if part is not None:
+            first, end = part
+            if self.n_runs != len(self.runs) or not 0 <= first <= end <= self.n_runs:
+                raise ValueError(f"part {part} is not a range of this plan's {len(self.runs)} runs (split into "
+                                 f"{self.n_runs} copies)")
         if pairs.device is None:
             if self.spans is None:
                 self.spans = self.runs.as_tuples()
-            _copy_on_cpu(pairs, self.spans)
+            _copy_on_cpu(pairs, self.spans if part is None else self.spans[part[0]:part[1]])
             return "torch"
-        return _copy_on_gpu(pairs, self, mode)
+        return _copy_on_gpu(pairs, self, mode, part)
 
     def _shift(self, pairs: Pairs):
         """Per-copy address shifts from this plan's bases to ``pairs``' (None: the same bases)."""
@@ -433,7 +441,7 @@ def _copy_on_cpu(pairs: Pairs, spans: list) -> None:
             dst.tensor[d:d + n].copy_(src.tensor[s:s + n])
 
 
-def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str) -> str:
+def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str, part: tuple[int, int] | None = None) -> str:
     global _batch_failure
     runtime = cuda_runtime()
     device = pairs.device
@@ -451,9 +459,12 @@ def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str) -> str:
             mode = "2d"
         elif mode == "auto":
             mode = "batch" if runtime.has_batch and not _batch_failure and not pairs.pageable else "2d"
-        if not plan.n_runs:
+        first, end = (0, plan.n_runs) if part is None else part
+        if end == first:
             return mode
         words = plan.descriptors(pairs)
+        if part is not None and (first, end) != (0, plan.n_runs):  # pair-major rows: this range of every pair's
+            words = words.view(len(pairs), plan.n_runs, WORDS)[:, first:end].reshape(-1, WORDS)
         if mode == "2d":
             runtime.memcpy_2d(words, stream.cuda_stream)
             return "2d"
