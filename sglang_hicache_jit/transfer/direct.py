@@ -395,17 +395,15 @@ class CopyPlan:
 
     def run(self, pairs: Pairs, *, mode: str = "auto", part: tuple[int, int] | None = None) -> str:
         """Copies the planned rows of ``pairs`` (which must fit this plan); returns what ran (copy_rows).
-        ``part`` = (first, end) copies only runs ``first:end`` of the plan (for every pair): a staged backup
-        plans all its chunks at once and sends each when its staging buffer is full. Runs are counted as
-        planned, so a plan with a part must not have had a run split (``n_runs == len(runs)``)."""
+        ``part`` = (first, end): only runs first:end, of every pair (a staged backup sends a chunk's runs
+        when its buffer is full), of a plan none of whose runs was split."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not self.fits(pairs):
             raise ValueError("pairs differ from the ones this copy plan was made for (strides, row sizes or row "
                              "counts); plan the transfer for them")
         if part is not None:
-            first, end = part
-            if self.n_runs != len(self.runs) or not 0 <= first <= end <= self.n_runs:
+            if self.n_runs != len(self.runs) or not 0 <= part[0] <= part[1] <= self.n_runs:
                 raise ValueError(f"part {part} is not a range of this plan's {len(self.runs)} runs (split into "
                                  f"{self.n_runs} copies)")
         if pairs.device is None:
@@ -463,7 +461,7 @@ def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str, part: tuple[int, 
         if end == first:
             return mode
         words = plan.descriptors(pairs)
-        if part is not None and (first, end) != (0, plan.n_runs):  # pair-major rows: this range of every pair's
+        if (first, end) != (0, plan.n_runs):  # rows are pair-major: this range of every pair's
             words = words.view(len(pairs), plan.n_runs, WORDS)[:, first:end].reshape(-1, WORDS)
         if mode == "2d":
             runtime.memcpy_2d(words, stream.cuda_stream)
