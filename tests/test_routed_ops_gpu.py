@@ -340,11 +340,12 @@ def test_two_pools_sharing_one_staging_memory_back_up_without_loss(monkeypatch):
     shared = torch.empty((4 * PAGE, LAYERS, 1, dim), dtype=torch.bfloat16, device="cuda")
     hosts = [rand((HOST_PAGES * PAGE, LAYERS, 1, dim), pin=True) for _ in range(2)]
     devs = [[rand((DEV_PAGES * PAGE, 1, dim), device="cuda") for _ in range(LAYERS)] for _ in range(2)]
+    tables = [table(layers) for layers in devs]  # a pool's pointer table lives as long as the pool, as in SGLang
     expected = [h.clone() for h in hosts]
     for step in range(6):
         pool = step % 2
         h, d = tokens(pick(9, HOST_PAGES, 60 + step)), tokens(pick(9, DEV_PAGES, 70 + step)).cuda()
-        sglang_ops.transfer_hicache_all_layer_mla_staged_lf_pf(table(devs[pool]), d, h, shared, hosts[pool],
+        sglang_ops.transfer_hicache_all_layer_mla_staged_lf_pf(tables[pool], d, h, shared, hosts[pool],
                                                                page_size=PAGE)
         for layer in range(LAYERS):  # a pool whose copies read the other pool's gather gets its rows
             expected[pool][h, layer] = devs[pool][layer][d.cpu()].cpu()

@@ -413,24 +413,21 @@ class CopyPlan:
             return "torch"
         return _copy_on_gpu(pairs, self, mode, part)
 
-    def _shift(self, pairs: Pairs):
-        """Per-copy address shifts from this plan's bases to ``pairs``' (None: the same bases)."""
+    def descriptors(self, pairs: Pairs, part: tuple[int, int] | None = None) -> torch.Tensor:
+        """The copy descriptors (contiguous rows of ``cudaMemcpy3DBatchOp``) for ``pairs``: this plan's, shifted
+        from its bases to theirs; with ``part``, those of runs first:end of every pair (rows are pair-major)."""
+        first, end = (0, self.n_runs) if part is None else part
         d_dst, d_src = pairs.dst_ptr - self.dst_ptr, pairs.src_ptr - self.src_ptr
-        if not (bool(d_dst.any()) or bool(d_src.any())):
-            return None
-        if d_dst.numel() == 1:
-            return int(d_dst), int(d_src)
-        return d_dst.repeat_interleave(self.n_runs), d_src.repeat_interleave(self.n_runs)
-
-    def descriptors(self, pairs: Pairs) -> torch.Tensor:
-        """The copy descriptors (rows of ``cudaMemcpy3DBatchOp``) for ``pairs``: this plan's, shifted to their bases."""
-        shift = self._shift(pairs)
-        if shift is None:
+        moved = bool(d_dst.any()) or bool(d_src.any())
+        if (first, end) == (0, self.n_runs) and not moved:
             return self.words
-        words = self.words.clone()
-        words[:, word("dst.ptr")] += shift[0]
-        words[:, word("src.ptr")] += shift[1]
-        return words
+        # A copy, contiguous: a part of several pairs (one run each, even) is otherwise a strided view.
+        words = self.words.view(len(pairs), self.n_runs, WORDS)[:, first:end].clone(
+            memory_format=torch.contiguous_format)
+        if moved:
+            words[:, :, word("dst.ptr")] += d_dst[:, None]
+            words[:, :, word("src.ptr")] += d_src[:, None]
+        return words.view(-1, WORDS)
 
 
 def _copy_on_cpu(pairs: Pairs, spans: list) -> None:
@@ -460,9 +457,7 @@ def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str, part: tuple[int, 
         first, end = (0, plan.n_runs) if part is None else part
         if end == first:
             return mode
-        words = plan.descriptors(pairs)
-        if (first, end) != (0, plan.n_runs):  # rows are pair-major: this range of every pair's
-            words = words.view(len(pairs), plan.n_runs, WORDS)[:, first:end].reshape(-1, WORDS)
+        words = plan.descriptors(pairs, part)
         if mode == "2d":
             runtime.memcpy_2d(words, stream.cuda_stream)
             return "2d"
