@@ -133,7 +133,7 @@ def test_plan_cost_writes_a_row_per_stage(bench, tmp_path):
     assert bench.main(["plan-cost", "--pages", "16", "--out", str(result)]) == 0
     stages = [r["stage"] for r in _lines(result)[1:]]
     assert stages[:2] == ["find_runs", "plan_runs (pages)"] and len(stages) == 7
-    assert stages[-1] == "staged chunk plan (2048 tokens, K and V)"
+    assert stages[-1] == "staged backup plan (8192 tokens, 4 chunks, K and V)"
 
 
 @pytest.mark.skipif(not shutil.which("cc"), reason="host-cost compiles a no-op launcher with cc")

@@ -65,6 +65,24 @@ def test_a_plan_rebased_to_other_layers_equals_a_fresh_plan(strided):
     assert torch.equal(plan.words, direct.CopyPlan(first, runs).words)
 
 
+@pytest.mark.parametrize("part", [(0, 1), (2, 3), (1, 4), (0, 5), (3, 3)])
+@pytest.mark.parametrize("strided", [False, True], ids=["packed", "packed+strided"])
+def test_a_part_of_a_plan_is_those_runs_of_every_pair_contiguous(part, strided):
+    """A staged backup sends each chunk's runs of one plan (staging.plan_chunks): a part's descriptors must be
+    exactly a fresh plan's for those runs, for every pair, rebased, and contiguous (the batch call reads them as
+    an array: one run of two pairs as a strided view reached the GPU once and tripped its assert)."""
+    runs = direct.find_runs(torch.tensor([0, 1, 2, 10, 11, 40, 50, 60]), torch.tensor([64, 65, 66, 128, 129, 7, 9, 3]))
+    plan = direct.CopyPlan(_fake_pairs(1 << 40, 1 << 41, strided), runs)
+    assert plan.n_runs == len(runs) == 5
+    for bases in ((1 << 40, 1 << 41), (3 << 40, 5 << 41)):
+        other = _fake_pairs(*bases, strided)
+        first, end = part
+        some = direct.Runs(runs.dst_start[first:end], runs.src_start[first:end], runs.length[first:end])
+        words = plan.descriptors(other, part)
+        assert words.is_contiguous() and words.shape[0] == len(other) * (end - first)
+        assert torch.equal(words, direct.CopyPlan(other, some).words)
+
+
 def test_a_plan_refuses_pairs_of_another_geometry():
     runs = direct.find_runs(torch.arange(4), torch.arange(4))
     plan = direct.CopyPlan(_fake_pairs(1 << 40, 1 << 41), runs)

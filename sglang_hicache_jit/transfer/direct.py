@@ -393,38 +393,41 @@ class CopyPlan:
         """Whether this plan's copies are those of ``pairs`` up to their base addresses."""
         return pairs.geometry == self.geometry
 
-    def run(self, pairs: Pairs, *, mode: str = "auto") -> str:
-        """Copies the planned rows of ``pairs`` (which must fit this plan); returns what ran (copy_rows)."""
+    def run(self, pairs: Pairs, *, mode: str = "auto", part: tuple[int, int] | None = None) -> str:
+        """Copies the planned rows of ``pairs`` (which must fit this plan); returns what ran (copy_rows).
+        ``part`` = (first, end): only runs first:end, of every pair (a staged backup sends a chunk's runs
+        when its buffer is full), of a plan none of whose runs was split."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not self.fits(pairs):
             raise ValueError("pairs differ from the ones this copy plan was made for (strides, row sizes or row "
                              "counts); plan the transfer for them")
+        if part is not None:
+            if self.n_runs != len(self.runs) or not 0 <= part[0] <= part[1] <= self.n_runs:
+                raise ValueError(f"part {part} is not a range of this plan's {len(self.runs)} runs (split into "
+                                 f"{self.n_runs} copies)")
         if pairs.device is None:
             if self.spans is None:
                 self.spans = self.runs.as_tuples()
-            _copy_on_cpu(pairs, self.spans)
+            _copy_on_cpu(pairs, self.spans if part is None else self.spans[part[0]:part[1]])
             return "torch"
-        return _copy_on_gpu(pairs, self, mode)
+        return _copy_on_gpu(pairs, self, mode, part)
 
-    def _shift(self, pairs: Pairs):
-        """Per-copy address shifts from this plan's bases to ``pairs``' (None: the same bases)."""
+    def descriptors(self, pairs: Pairs, part: tuple[int, int] | None = None) -> torch.Tensor:
+        """The copy descriptors (contiguous rows of ``cudaMemcpy3DBatchOp``) for ``pairs``: this plan's, shifted
+        from its bases to theirs; with ``part``, those of runs first:end of every pair (rows are pair-major)."""
+        first, end = (0, self.n_runs) if part is None else part
         d_dst, d_src = pairs.dst_ptr - self.dst_ptr, pairs.src_ptr - self.src_ptr
-        if not (bool(d_dst.any()) or bool(d_src.any())):
-            return None
-        if d_dst.numel() == 1:
-            return int(d_dst), int(d_src)
-        return d_dst.repeat_interleave(self.n_runs), d_src.repeat_interleave(self.n_runs)
-
-    def descriptors(self, pairs: Pairs) -> torch.Tensor:
-        """The copy descriptors (rows of ``cudaMemcpy3DBatchOp``) for ``pairs``: this plan's, shifted to their bases."""
-        shift = self._shift(pairs)
-        if shift is None:
+        moved = bool(d_dst.any()) or bool(d_src.any())
+        if (first, end) == (0, self.n_runs) and not moved:
             return self.words
-        words = self.words.clone()
-        words[:, word("dst.ptr")] += shift[0]
-        words[:, word("src.ptr")] += shift[1]
-        return words
+        # A copy, contiguous: a part of several pairs (one run each, even) is otherwise a strided view.
+        words = self.words.view(len(pairs), self.n_runs, WORDS)[:, first:end].clone(
+            memory_format=torch.contiguous_format)
+        if moved:
+            words[:, :, word("dst.ptr")] += d_dst[:, None]
+            words[:, :, word("src.ptr")] += d_src[:, None]
+        return words.view(-1, WORDS)
 
 
 def _copy_on_cpu(pairs: Pairs, spans: list) -> None:
@@ -433,7 +436,7 @@ def _copy_on_cpu(pairs: Pairs, spans: list) -> None:
             dst.tensor[d:d + n].copy_(src.tensor[s:s + n])
 
 
-def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str) -> str:
+def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str, part: tuple[int, int] | None = None) -> str:
     global _batch_failure
     runtime = cuda_runtime()
     device = pairs.device
@@ -451,9 +454,10 @@ def _copy_on_gpu(pairs: Pairs, plan: CopyPlan, requested: str) -> str:
             mode = "2d"
         elif mode == "auto":
             mode = "batch" if runtime.has_batch and not _batch_failure and not pairs.pageable else "2d"
-        if not plan.n_runs:
+        first, end = (0, plan.n_runs) if part is None else part
+        if end == first:
             return mode
-        words = plan.descriptors(pairs)
+        words = plan.descriptors(pairs, part)
         if mode == "2d":
             runtime.memcpy_2d(words, stream.cuda_stream)
             return "2d"

@@ -87,16 +87,21 @@ class PageStaging:
                              "in each of its two buffers")
         # Never more than the host buffer could send in one backup.
         self.chunk_blocks = min(budget_bytes // (2 * block_bytes), self.host_blocks)
-        if memory is not None:  # the caller's device buffers (one per cache), cut in two halves
+        if memory is not None:  # the caller's device buffers (one per cache)
             self.chunk_blocks = min(memory[0].shape[0] // 2, self.host_blocks)
-            self.buffers = [[m[b * self.chunk_blocks:(b + 1) * self.chunk_blocks] for m in memory] for b in (0, 1)]
         else:
-            self.buffers = [[torch.empty((self.chunk_blocks, *first.shape[1:]), dtype=first.dtype,
-                                         device=self.device) for _ in host_caches] for _ in range(2)]
+            memory = [torch.empty((2 * self.chunk_blocks, *first.shape[1:]), dtype=first.dtype, device=self.device)
+                      for _ in host_caches]
+        # Per cache, one area of two buffers (its halves): staged block j of buffer b is the area's block
+        # b * chunk_blocks + j, so one copy plan addresses both buffers and a backup is planned once.
+        areas = [m[:2 * self.chunk_blocks] for m in memory]
+        self.buffers = [[a[b * self.chunk_blocks:(b + 1) * self.chunk_blocks] for a in areas] for b in (0, 1)]
         # A block (token or page) of every layer as one row: consecutive host blocks are one flat block.
-        host_blocks = [direct.Rows(h.view(-1, block_elems), "host blocks") for h in host_caches]
-        self.pairs = [direct.Pairs([(host_blocks[c], direct.Rows(buf.view(-1, block_elems), "staged blocks"))
-                                    for c, buf in enumerate(bufs)]) for bufs in self.buffers]
+        self.pairs = direct.Pairs([(direct.Rows(h.view(-1, block_elems), "host blocks"),
+                                    direct.Rows(a.view(-1, block_elems), "staged blocks"))
+                                   for h, a in zip(host_caches, areas)])
+        # The longest run one copy may take (CopyPlan splits longer ones; the plan here must not be split).
+        self.max_run = max(1, direct.MAX_COPY_BYTES // (block_elems * first.element_size()))
         # Per buffer and cache, each layer as flat rows of one stride, as long as the last layer's.
         layer_rows = (self.chunk_blocks - 1) * self.layers * self.page + self.page
         self.views = [[[buf.view(-1, *row_shape)[l * self.page: l * self.page + layer_rows]
@@ -156,11 +161,12 @@ class PageStaging:
             if high >= self.device_rows:
                 raise TransferIndexError(f"device_indices holds index {high}, but the device pool has only "
                                          f"{self.device_rows} slots")
+        plan, parts = plan_chunks(self.pairs, blocks, self.chunk_blocks, self.max_run)
         with self._lock:
-            self._submit(blocks, device_indices)
+            self._submit(blocks.numel(), device_indices, plan, parts)
         return True
 
-    def _submit(self, blocks: torch.Tensor, device_indices: torch.Tensor) -> None:
+    def _submit(self, count: int, device_indices: torch.Tensor, plan, parts: list) -> None:
         stream = torch.cuda.current_stream(self.device)
         self.side.wait_stream(stream)
         if device_indices.is_cuda:  # the side stream reads them: their memory must outlive its gathers
@@ -168,9 +174,9 @@ class PageStaging:
         for b in (0, 1):  # an earlier backup's copies, maybe on another stream, may still read a buffer
             if self.used[b]:
                 self.side.wait_event(self.copied[b])
-        for k, first in enumerate(range(0, blocks.numel(), self.chunk_blocks)):
+        for k, first in enumerate(range(0, count, self.chunk_blocks)):
             b = k % 2
-            n = min(self.chunk_blocks, blocks.numel() - first)
+            n = min(self.chunk_blocks, count - first)
             tokens = n * self.page
             with torch.cuda.stream(self.side):
                 if k >= 2:
@@ -179,10 +185,29 @@ class PageStaging:
                             device_indices[first * self.page: first * self.page + tokens])
                 self.gathered[b].record(self.side)
             stream.wait_event(self.gathered[b])
-            plan = direct.CopyPlan(self.pairs[b], direct.find_runs(blocks[first:first + n], torch.arange(n)))
-            plan.run(self.pairs[b])
+            plan.run(self.pairs, part=parts[k])
             self.copied[b].record(stream)
             self.used[b] = True
+
+
+def plan_chunks(pairs, blocks: torch.Tensor, chunk_blocks: int, max_run: int) -> tuple:
+    """The copies of a whole staged backup of host ``blocks`` (CPU int64), planned once: runs of consecutive
+    host blocks that stay inside one chunk of ``chunk_blocks``, each from where its chunk's buffer holds
+    it (chunk k in buffer k % 2, whose block j is row ``(k % 2) * chunk_blocks + j`` of the pairs' source),
+    none longer than ``max_run`` blocks; and per chunk the (first, end) range of runs that empties it. One
+    plan per chunk cost 0.3-0.4 ms of the caller's thread each, SGLang's scheduler's (tools/bench.py
+    plan-cost, docs/BENCHMARKS.md)."""
+    count = blocks.numel()
+    position = torch.arange(count)
+    breaks = (blocks[1:] - blocks[:-1] != 1) | (position[1:] % chunk_blocks == 0)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1])
+    ends = torch.cat([starts[1:], torch.tensor([count])])
+    runs = direct.split_runs(direct.Runs(blocks[starts], starts, ends - starts), max_run)
+    # Runs are in backup order and none crosses a chunk: chunk k's are those starting in its blocks.
+    bounds = torch.searchsorted(runs.src_start, torch.arange(0, count + chunk_blocks, chunk_blocks)).tolist()
+    staged = runs.src_start // chunk_blocks % 2 * chunk_blocks + runs.src_start % chunk_blocks
+    plan = direct.CopyPlan(pairs, direct.Runs(runs.dst_start, staged, runs.length))
+    return plan, list(zip(bounds[:-1], bounds[1:]))
 
 
 def _check_memory(memory: list, host_caches: list, device) -> None:

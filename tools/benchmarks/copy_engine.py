@@ -65,17 +65,19 @@ def planning(args, out) -> int:
         "describe_copies": lambda: direct.describe_copies(pairs, split),
         "plan cache hit": lambda: cache.get(dev_idx, host_idx, "load", make),
     }
-    # A staged backup's chunk (transfer/staging.py, _submit): runs of host token blocks against consecutive
-    # staged blocks, planned once per chunk of every backup (nothing to reuse: the host slots differ), here
-    # the chunk of SGLang's staging buffers for a Llama-3.1-8B-shaped pool (2,048 tokens of 32 x 2 KiB, K and V)
-    # whose host slots are consecutive pages, as HiCache's allocator hands them.
+    # A staged backup (transfer/staging.py, plan_chunks): runs of host token blocks against the staged blocks
+    # of both buffers, planned once per backup (nothing to reuse: the host slots differ), here an 8,192-token
+    # backup through SGLang's staging buffers for a Llama-3.1-8B-shaped pool (chunks of 2,048 tokens of
+    # 32 x 2 KiB, K and V) whose host slots are consecutive pages, as HiCache's allocator hands them.
+    from sglang_hicache_jit.transfer import staging
+
     chunk, block = 2048, 32 * 2048
-    staged_pairs = direct.Pairs([(direct.Rows.at((1 << 42) + c * (1 << 40), block, block, 0, 32 * chunk),
-                                  direct.Rows.at((1 << 41) + c * (1 << 36), block, block, 0, chunk))
+    staged_pairs = direct.Pairs([(direct.Rows.at((1 << 42) + c * (1 << 40), block, block, 0, 32 * 4 * chunk),
+                                  direct.Rows.at((1 << 41) + c * (1 << 36), block, block, 0, 2 * chunk))
                                  for c in range(2)])
-    chunk_blocks = torch.arange(5 * chunk, 6 * chunk)
-    stages["staged chunk plan (2048 tokens, K and V)"] = lambda: direct.CopyPlan(
-        staged_pairs, direct.find_runs(chunk_blocks, torch.arange(chunk)))
+    backup_blocks = torch.arange(5 * chunk, 9 * chunk)
+    stages["staged backup plan (8192 tokens, 4 chunks, K and V)"] = lambda: staging.plan_chunks(
+        staged_pairs, backup_blocks, chunk, 1 << 20)
     print(f"planning {pages} pages of {page_rows} x {row} B ({pages * page_rows} indices), torch threads "
           f"{torch.get_num_threads()}:")
     for stage, fn in stages.items():

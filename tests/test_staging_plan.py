@@ -1,0 +1,61 @@
+"""A staged backup's copies, planned once for all its chunks (staging.plan_chunks), run on the CPU: each chunk's
+range of runs must empty exactly its own buffer into exactly its host blocks, whatever the order of the host
+blocks, the chunk size and the longest run allowed."""
+
+import pytest
+import torch
+
+from sglang_hicache_jit.transfer import direct, staging
+
+
+def _backup(blocks: torch.Tensor, chunk: int, max_run: int, host_blocks: int = 64, layers: int = 3, row: int = 5):
+    gen = torch.Generator().manual_seed(blocks.numel() * 31 + chunk)
+    host = torch.zeros((host_blocks, layers, row), dtype=torch.int32)
+    area = torch.empty((2 * chunk, layers, row), dtype=torch.int32)
+    gathered = torch.randint(1, 1 << 30, (blocks.numel(), layers, row), generator=gen, dtype=torch.int32)
+    pairs = direct.Pairs([(host.view(host_blocks, -1), area.view(2 * chunk, -1))])
+    plan, parts = staging.plan_chunks(pairs, blocks, chunk, max_run)
+    assert len(parts) == -(-blocks.numel() // chunk)
+    for k, part in enumerate(parts):
+        b, first = k % 2, k * chunk
+        n = min(chunk, blocks.numel() - first)
+        area.fill_(-1)  # the other buffer holds garbage: a run reading it would show
+        area[b * chunk: b * chunk + n] = gathered[first:first + n]
+        plan.run(pairs, part=part)
+    expected = torch.zeros_like(host)
+    expected[blocks] = gathered
+    return host, expected
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 16, 64])
+@pytest.mark.parametrize("max_run", [1, 2, 5, 1 << 20])
+def test_every_chunk_lands_in_its_own_host_blocks(chunk, max_run):
+    gen = torch.Generator().manual_seed(chunk * 1000 + max_run)
+    # Runs of consecutive blocks with gaps, in a shuffled order of runs, as HiCache's allocator hands pages.
+    order = torch.randperm(64, generator=gen)[:40]
+    pieces = [torch.arange(int(s), min(int(s) + int(torch.randint(1, 9, (1,), generator=gen)), 64))
+              for s in order[:12]]
+    blocks = torch.tensor(list(dict.fromkeys(torch.cat(pieces).tolist())), dtype=torch.int64)  # no block twice
+    host, expected = _backup(blocks, chunk, max_run)
+    assert torch.equal(host, expected)
+
+
+@pytest.mark.parametrize("count", [1, 15, 16, 17, 48])
+def test_consecutive_blocks_are_cut_at_every_chunk_boundary(count):
+    host, expected = _backup(torch.arange(5, 5 + count), 16, 1 << 20)
+    assert torch.equal(host, expected)
+    pairs = direct.Pairs([(torch.zeros((64, 4)), torch.zeros((32, 4)))])
+    plan, parts = staging.plan_chunks(pairs, torch.arange(5, 5 + count), 16, 1 << 20)
+    assert [end - first for first, end in parts] == [1] * len(parts)  # one copy per full run inside a chunk
+    assert plan.runs.src_start.tolist() == [k % 2 * 16 for k in range(len(parts))]
+
+
+def test_a_part_of_a_plan_whose_runs_were_split_is_refused():
+    pairs = direct.Pairs([(torch.zeros((64, 4)), torch.zeros((64, 4)))])
+    runs = direct.Runs(torch.tensor([0]), torch.tensor([0]), torch.tensor([8]))
+    plan = direct.CopyPlan(pairs, runs)
+    with pytest.raises(ValueError, match="part"):
+        plan.run(pairs, part=(0, 2))
+    with pytest.raises(ValueError, match="part"):
+        plan.run(pairs, part=(1, 0))
+    plan.run(pairs, part=(0, 1))
