@@ -132,8 +132,8 @@ def test_plan_cost_writes_a_row_per_stage(bench, tmp_path):
     result = tmp_path / "plan.jsonl"
     assert bench.main(["plan-cost", "--pages", "16", "--out", str(result)]) == 0
     stages = [r["stage"] for r in _lines(result)[1:]]
-    assert stages[:2] == ["find_runs", "plan_runs (pages)"] and len(stages) == 7
-    assert stages[-1] == "staged backup plan (8192 tokens, 4 chunks, K and V)"
+    assert stages[:2] == ["find_runs", "plan_runs (pages)"] and len(stages) == 8
+    assert stages[-2:] == ["staged backup plan (8192 tokens, 4 chunks, K and V)", "staged backup, a plan per chunk (4 x 2048)"]
 
 
 @pytest.mark.skipif(not shutil.which("cc"), reason="host-cost compiles a no-op launcher with cc")
