@@ -83,6 +83,30 @@ def test_a_part_of_a_plan_is_those_runs_of_every_pair_contiguous(part, strided):
         assert torch.equal(words, direct.CopyPlan(other, some).words)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_few_copies_are_described_as_the_vectorised_rows(seed, monkeypatch):
+    """Up to SMALL_PLAN_COPIES copies, describe_copies builds its rows in Python: every word must equal the
+    tensor-built rows', for packed and strided pairs, row sizes and run lengths of all kinds."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda high: int(torch.randint(1, high + 1, (1,), generator=gen))  # noqa: E731
+    pairs = []
+    for i in range(rand(4)):
+        row = 4 * rand(1024)
+        dst_stride, src_stride = row * rand(3), row * rand(3)
+        pairs.append((direct.Rows.at((i + 1) << 40, dst_stride, row, 0, rows=1 << 16),
+                      direct.Rows.at((i + 9) << 40, src_stride, row, 0, rows=1 << 16)))
+    pairs = direct.Pairs(pairs)
+    count = rand(40)
+    runs = direct.Runs(torch.randint(0, 1 << 15, (count,), generator=gen),
+                       torch.randint(0, 1 << 15, (count,), generator=gen),
+                       torch.randint(1, 300, (count,), generator=gen))
+    few = direct.describe_copies(pairs, runs)
+    monkeypatch.setattr(direct, "SMALL_PLAN_COPIES", 0)
+    rows = direct.describe_copies(pairs, runs)
+    assert few.dtype == rows.dtype == torch.int64 and few.is_contiguous()
+    assert torch.equal(few, rows)
+
+
 def test_a_plan_refuses_pairs_of_another_geometry():
     runs = direct.find_runs(torch.arange(4), torch.arange(4))
     plan = direct.CopyPlan(_fake_pairs(1 << 40, 1 << 41), runs)

@@ -276,6 +276,8 @@ def describe_copies(pairs: Pairs, runs: Runs) -> torch.Tensor:
     back as ``cudaMemcpy2DAsync``'s pitch.
     """
     n_pairs, n_runs = len(pairs), len(runs)
+    if 0 < n_pairs * n_runs <= SMALL_PLAN_COPIES:
+        return _describe_few(pairs, runs)
     words = torch.zeros((n_pairs, n_runs, WORDS), dtype=torch.int64)
     if not n_runs:
         return words.view(0, WORDS)
@@ -296,6 +298,35 @@ def describe_copies(pairs: Pairs, runs: Runs) -> torch.Tensor:
     assert DESCRIPTOR_OFFSETS["flags"] == DESCRIPTOR_OFFSETS["srcAccessOrder"] + 4
     words[:, :, word("srcAccessOrder")] = SRC_ACCESS_ORDER_STREAM
     return words.view(n_pairs * n_runs, WORDS)
+
+
+# Up to this many copies, describe_copies builds rows in Python: a dozen tensor ops on tiny tensors cost about
+# 70 us on a 2-core machine, where a staged backup of a few pages has 2-8 copies (tools/bench.py plan-cost).
+SMALL_PLAN_COPIES = 32
+_COLUMNS = {name: word(name) for name in ("dst.type", "dst.ptr", "dst.rowLength", "src.type", "src.ptr",
+                                          "src.rowLength", "extent.width", "extent.height", "extent.depth",
+                                          "srcAccessOrder")}
+
+
+def _describe_few(pairs: Pairs, runs: Runs) -> torch.Tensor:
+    """describe_copies for a few copies, the same rows built from Python ints."""
+    c = _COLUMNS
+    rows = []
+    spans = runs.as_tuples()
+    for dst, src in zip(pairs.dst, pairs.src):
+        packed = dst.stride == dst.row_bytes and src.stride == dst.row_bytes
+        for d, s, n in spans:
+            width, height = (dst.row_bytes * n, 1) if packed else (dst.row_bytes, n)
+            row = [0] * WORDS
+            row[c["dst.type"]] = row[c["src.type"]] = OPERAND_TYPE_POINTER
+            row[c["dst.ptr"]] = dst.ptr + d * dst.stride
+            row[c["src.ptr"]] = src.ptr + s * src.stride
+            row[c["dst.rowLength"]] = width if packed else dst.stride
+            row[c["src.rowLength"]] = width if packed else src.stride
+            row[c["extent.width"]], row[c["extent.height"]], row[c["extent.depth"]] = width, height, 1
+            row[c["srcAccessOrder"]] = SRC_ACCESS_ORDER_STREAM
+            rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 _batch_failure: str | None = None  # why the batch call was given up in this process, if it was
