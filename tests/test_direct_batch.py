@@ -4,7 +4,7 @@ from a stand-in runtime that records every call, and plans rebased to other laye
 import pytest
 import torch
 
-from sglang_hicache_jit.transfer import cuda, direct
+from sglang_hicache_jit.transfer import cuda, descriptors, direct
 
 
 class FakeRuntime:
@@ -101,7 +101,7 @@ def test_few_copies_are_described_as_the_vectorised_rows(seed, monkeypatch):
                        torch.randint(0, 1 << 15, (count,), generator=gen),
                        torch.randint(1, 300, (count,), generator=gen))
     few = direct.describe_copies(pairs, runs)
-    monkeypatch.setattr(direct, "SMALL_PLAN_COPIES", 0)
+    monkeypatch.setattr(descriptors, "SMALL_PLAN_COPIES", 0)
     rows = direct.describe_copies(pairs, runs)
     assert few.dtype == rows.dtype == torch.int64 and few.is_contiguous()
     assert torch.equal(few, rows)
