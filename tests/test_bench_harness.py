@@ -41,7 +41,7 @@ def test_list_names_every_workload_and_its_question(bench, capsys):
 
 
 @pytest.mark.parametrize("name", ["layouts", "cta", "grid", "beside", "overhead", "host-cost", "plan-cost",
-                                  "copy-sizes", "loader", "warm-ab", "sglang-pool", "releases"])
+                                  "copy-sizes", "copy-queue", "loader", "warm-ab", "sglang-pool", "releases"])
 def test_every_workload_parses_its_defaults(bench, name):
     args = bench._parser().parse_args([name, *REQUIRED.get(name, [])])
     assert args.workload == name and args.out is None

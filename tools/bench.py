@@ -53,6 +53,8 @@ WORKLOADS = {
                           "for one call."),
     "copy-sizes": Workload("copy_engine", "GPU", "What copy size do the batched copy engines need to reach the "
                            "link, each direction and both at once, beside the contiguous copy and the kernel?"),
+    "copy-queue": Workload("copy_queue", "GPU", "How long does a small copy on another stream (a step's sampled "
+                           "tokens) wait behind a transfer's large copies, per size those are cut into?"),
     "small-copies": Workload("small_copies", "GPU", "Below what copy size does a copy kernel with 1-2 CTAs beat "
                              "the copy engines' batched call, each direction?"),
     "loader": Workload("loader", "CPU", "Cold build, its breakdown, concurrent cold starts, warm load, bundle "
