@@ -79,11 +79,8 @@ def planning(args, out) -> int:
     stages["staged backup plan (8192 tokens, 4 chunks, K and V)"] = lambda: staging.plan_chunks(
         staged_pairs, backup_blocks, chunk, 1 << 20)
     # The baseline it replaced: one plan per chunk of 2,048 blocks against one buffer, four per backup.
-    chunk_pairs = direct.Pairs([(direct.Rows.at((1 << 42) + c * (1 << 40), block, block, 0, 32 * 4 * chunk),
-                                 direct.Rows.at((1 << 41) + c * (1 << 36), block, block, 0, chunk))
-                                for c in range(2)])
     stages["staged backup, a plan per chunk (4 x 2048)"] = lambda: [
-        direct.CopyPlan(chunk_pairs, direct.find_runs(backup_blocks[c:c + chunk], torch.arange(chunk)))
+        direct.CopyPlan(staged_pairs, direct.find_runs(backup_blocks[c:c + chunk], torch.arange(chunk)))
         for c in range(0, 4 * chunk, chunk)]
     print(f"planning {pages} pages of {page_rows} x {row} B ({pages * page_rows} indices), torch threads "
           f"{torch.get_num_threads()}:")
