@@ -43,6 +43,13 @@ MIN_RUN = 16
 # alone (H200, 2026-12-04, docs/BENCHMARKS.md). Beside a saturating matmul what costs the copy engines is
 # each gather's wait for SMs, so fewer, larger chunks (the budget) matter there, not the CTA count.
 GATHER_BLOCKS = 32
+# Gather on the caller's stream, in order with the copies, rather than on a side stream that overlaps the
+# gather of one chunk with the copies of the one before. The side stream must wait for a buffer's copies
+# before gathering into it again, and a stream blocked on an event holds up every stream that shares its
+# hardware queue, maybe the model's: in a real Llama-3.1-8B-sized SGLang server (H100, 2026-12-07,
+# docs/BENCHMARKS.md) a device hit right after a miss took 48.9 ms with the side stream against 37.1 ms
+# upstream, whose staged write-back runs on one stream. The harness flips this for that A/B.
+GATHER_ON_SIDE_STREAM = False
 
 
 class PageStaging:
@@ -107,7 +114,7 @@ class PageStaging:
         self.views = [[[buf.view(-1, *row_shape)[l * self.page: l * self.page + layer_rows]
                         for l in range(self.layers)] for buf in bufs] for bufs in self.buffers]
         self.staged_rows = staged_rows(self.chunk_blocks * self.page, self.page, self.layers).to(self.device)
-        self.side = torch.cuda.Stream(self.device)
+        self.side = torch.cuda.Stream(self.device) if GATHER_ON_SIDE_STREAM else None
         self.gathered = [torch.cuda.Event(), torch.cuda.Event()]
         self.copied = [torch.cuda.Event(), torch.cuda.Event()]
         self.used = [False, False]
@@ -168,23 +175,26 @@ class PageStaging:
 
     def _submit(self, count: int, device_indices: torch.Tensor, plan, parts: list) -> None:
         stream = torch.cuda.current_stream(self.device)
-        self.side.wait_stream(stream)
-        if device_indices.is_cuda:  # the side stream reads them: their memory must outlive its gathers
-            device_indices.record_stream(self.side)
+        side = self.side if GATHER_ON_SIDE_STREAM else stream
+        if side is not stream:
+            side.wait_stream(stream)
+            if device_indices.is_cuda:  # the side stream reads them: their memory must outlive its gathers
+                device_indices.record_stream(side)
         for b in (0, 1):  # an earlier backup's copies, maybe on another stream, may still read a buffer
             if self.used[b]:
-                self.side.wait_event(self.copied[b])
+                side.wait_event(self.copied[b])
         for k, first in enumerate(range(0, count, self.chunk_blocks)):
             b = k % 2
             n = min(self.chunk_blocks, count - first)
             tokens = n * self.page
-            with torch.cuda.stream(self.side):
-                if k >= 2:
-                    self.side.wait_event(self.copied[b])
+            with torch.cuda.stream(side):
+                if k >= 2 and side is not stream:  # on the caller's stream its order already holds
+                    side.wait_event(self.copied[b])
                 self.gather(b, self.views[b], self.staged_rows[:tokens],
                             device_indices[first * self.page: first * self.page + tokens])
-                self.gathered[b].record(self.side)
-            stream.wait_event(self.gathered[b])
+            if side is not stream:
+                self.gathered[b].record(side)
+                stream.wait_event(self.gathered[b])
             plan.run(self.pairs, part=parts[k])
             self.copied[b].record(stream)
             self.used[b] = True

@@ -11,6 +11,9 @@ workload. The mode sets, before SGLang is imported (its processes inherit the en
 * ``plugin-nojit``: the plugin on with ``SGLANG_HICACHE_JIT_DISABLE=1`` (copy engines only);
 * ``plugin-nostaging``: the plugin on with ``SGLANG_HICACHE_JIT_STAGING=0``: SGLang's staged write-back
   is declined, so every backup is the kernel writing rows to the host (the A/B of staging's host time);
+* ``plugin-sidestream``: the plugin on, its staged backups gathering on a side stream that overlaps the
+  copies (``HICACHE_SERVER_STAGING_SIDE_STREAM=1``, read by ``harness_plugin.py``): the A/B of
+  ``staging.GATHER_ON_SIDE_STREAM``;
 * ``control``: as ``upstream``, with every row loaded back from the host zeroed on the device
   (``harness_plugin.py``): its outputs must differ, or the test cannot see the KV bytes;
 * ``control-plugin``: the same corruption with the plugin on;
@@ -43,6 +46,7 @@ MODES = {
     "plugin": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1"},
     "plugin-nojit": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "SGLANG_HICACHE_JIT_DISABLE": "1"},
     "plugin-nostaging": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "SGLANG_HICACHE_JIT_STAGING": "0"},
+    "plugin-sidestream": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "HICACHE_SERVER_STAGING_SIDE_STREAM": "1"},
     "control": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0", "HICACHE_SERVER_CORRUPT": "zero"},
     "control-plugin": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "HICACHE_SERVER_CORRUPT": "zero"},
     "hicache-off": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0"},

@@ -10,6 +10,8 @@ PYTHONPATH, SGLang's own ``load_plugins()`` runs ``register`` in each of its pro
 * with ``HICACHE_SERVER_CORRUPT=zero``, an AROUND hook on the MLA and MHA host pools'
   ``load_to_device_per_layer`` that zeroes, on the device, every row the pool has just loaded back from
   the host: the negative control, whose outputs must differ;
+* with ``HICACHE_SERVER_STAGING_SIDE_STREAM=1``, the package's staged backups gather on a side stream
+  (``staging.GATHER_ON_SIDE_STREAM``), for the A/B of where the gather runs;
 * with ``HICACHE_SERVER_TRACE=<file>``, one JSON line per host pool built (its class, layout and row
   size, and what this package's plugin patched) and per load-back of each layer: the tokens the pool
   was asked to load, and ``ops``, the tokens each of this package's ops moved inside that call. So a
@@ -288,6 +290,11 @@ def pool_built(result, self, *args, **kwargs):
 
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if os.environ.get("HICACHE_SERVER_STAGING_SIDE_STREAM") == "1":  # mode plugin-sidestream; no pool built yet
+        from sglang_hicache_jit.transfer import staging
+
+        staging.GATHER_ON_SIDE_STREAM = True
 
     HookRegistry.register(_WEIGHTS, dummy_weights, HookType.REPLACE)
     for pool in _POOLS:
