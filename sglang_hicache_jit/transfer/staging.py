@@ -9,18 +9,18 @@ layer, costs either SMs (the kernel) or the copy engines' cost per copy (about 4
 batched call: 0.35-0.41 of the link for 64-token pages). So a backup here
 
 1. gathers the rows of every layer from the device into a staging buffer on the GPU, laid out exactly as
-   the host buffer (HBM speed, microseconds of SM time, one launch for all layers), on a side stream;
+   the host buffer (HBM speed, microseconds of SM time, one launch for all layers), on the caller's stream;
 2. copies each run of consecutive host blocks (a token or a page, or ones that follow each other) as one
-   flat block (``direct.CopyPlan``: the runtime's batched call, no SMs) on the caller's stream.
+   flat block (``direct.CopyPlan``: the runtime's batched call, no SMs), on the same stream after it.
 
 The staging area is two buffers of half of ``SGLANG_HICACHE_JIT_STAGING`` (default 512 MiB) each, so a
-large backup runs in chunks: the gather of chunk k+1 fills one buffer while the copies of chunk k drain
-the other. Beside a saturating matmul each gather first waits for SMs (about one matmul, 1.4 ms for a bf16
-8192^3 product), which is what keeps 16K-token backups at 0.55-0.61 of the link beside it (0.76-0.89 alone)
-while 64K-token ones keep 0.67-0.82 (H200, 2026-12-06, tools/bench.py layouts; docs/BENCHMARKS.md).
-Ordering: the side stream first waits for the caller's stream (the gather sees what was written to the
-device cache before the call), every copy waits for its gather, and a buffer is gathered into again only
-after its copies are done; the caller's stream ends up behind all of it.
+large backup runs in chunks, gathered into the two buffers in turn. Beside a saturating matmul each gather
+first waits for SMs (about one matmul, 1.4 ms for a bf16 8192^3 product), which is what keeps 16K-token
+backups at 0.55-0.61 of the link beside it (0.76-0.89 alone) while 64K-token ones keep 0.67-0.82 (H200,
+2026-12-06, tools/bench.py layouts; docs/BENCHMARKS.md).
+Ordering: everything runs on the caller's stream, so the gather sees what was written to the device cache
+before the call and the copies follow their gather; a buffer that an earlier backup on another stream
+used is gathered into only after that backup's copies (an event per buffer).
 """
 
 from __future__ import annotations
@@ -44,11 +44,13 @@ MIN_RUN = 16
 # each gather's wait for SMs, so fewer, larger chunks (the budget) matter there, not the CTA count.
 GATHER_BLOCKS = 32
 # Gather on the caller's stream, in order with the copies, rather than on a side stream that overlaps the
-# gather of one chunk with the copies of the one before. The side stream must wait for a buffer's copies
-# before gathering into it again, and a stream blocked on an event holds up every stream that shares its
-# hardware queue, maybe the model's: in a real Llama-3.1-8B-sized SGLang server (H100, 2026-12-07,
-# docs/BENCHMARKS.md) a device hit right after a miss took 48.9 ms with the side stream against 37.1 ms
-# upstream, whose staged write-back runs on one stream. The harness flips this for that A/B.
+# gather of one chunk with the copies of the one before. A side stream must wait on an event for a buffer's
+# copies before gathering into it again, and (the likely reason for what follows; not isolated) a stream
+# waiting on an event holds up the other streams that share its hardware queue, here SGLang's. Measured in a Llama-3.1-8B-sized SGLang 0.5.17 server
+# (H100, 2026-12-07, docs/BENCHMARKS.md), same machine: the device hit right after an 8K miss (whose 1 GiB
+# backup is four chunks) took 48.2 ms with the side stream, 39.0 ms with one stream, 38.0 ms upstream
+# (whose staged write-back also runs on one stream). One stream costs that backup about 5% of its rate
+# (23.2 against 22.0 ms); a backup of one chunk loses nothing. The harness flips this for the A/B.
 GATHER_ON_SIDE_STREAM = False
 
 
