@@ -1165,3 +1165,16 @@ def test_realsize_takes_the_modes_asked_for_and_refuses_others(tmp_path):
     for bad in (["realsize", "--modes", "plugin,turbo"], ["matrix", "--modes", "plugin"]):
         with pytest.raises(SystemExit):
             main.main(bad + ["--release", "0.5.17", "--out", str(tmp_path / "out"), "--dry-run"])
+
+
+def test_harness_load_quota_fills_in_only_a_missing_block_quota(monkeypatch):
+    from sglang_hicache_jit.transfer import ops
+
+    seen = []
+    for name in ("transfer_one_layer", "transfer_one_layer_mla"):
+        monkeypatch.setattr(ops, name, lambda *args, block_quota=None, _n=name, **kw: seen.append((_n, block_quota)))
+    harness_plugin._default_one_layer_quota(2)
+    ops.transfer_one_layer(1, 2, 3)
+    ops.transfer_one_layer_mla(1, 2, block_quota=7)
+    assert seen == [("transfer_one_layer", 2), ("transfer_one_layer_mla", 7)]
+    assert "plugin-loadquota2" in plan.REALSIZE_EXTRA_MODES and engine_cell.MODES["plugin-loadquota2"]["HICACHE_SERVER_LOAD_QUOTA"] == "2"

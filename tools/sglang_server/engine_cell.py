@@ -14,6 +14,8 @@ workload. The mode sets, before SGLang is imported (its processes inherit the en
 * ``plugin-sidestream``: the plugin on, its staged backups gathering on a side stream that overlaps the
   copies (``HICACHE_SERVER_STAGING_SIDE_STREAM=1``, read by ``harness_plugin.py``): the A/B of
   ``staging.GATHER_ON_SIDE_STREAM``;
+* ``plugin-loadquota2``: the plugin on, its one-layer loads at 2 CTAs, upstream's budget, instead of the
+  package's default (``HICACHE_SERVER_LOAD_QUOTA=2``): the A/B of the 8K host hit's 3 ms gap;
 * ``control``: as ``upstream``, with every row loaded back from the host zeroed on the device
   (``harness_plugin.py``): its outputs must differ, or the test cannot see the KV bytes;
 * ``control-plugin``: the same corruption with the plugin on;
@@ -47,6 +49,7 @@ MODES = {
     "plugin-nojit": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "SGLANG_HICACHE_JIT_DISABLE": "1"},
     "plugin-nostaging": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "SGLANG_HICACHE_JIT_STAGING": "0"},
     "plugin-sidestream": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "HICACHE_SERVER_STAGING_SIDE_STREAM": "1"},
+    "plugin-loadquota2": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "HICACHE_SERVER_LOAD_QUOTA": "2"},
     "control": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0", "HICACHE_SERVER_CORRUPT": "zero"},
     "control-plugin": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "HICACHE_SERVER_CORRUPT": "zero"},
     "hicache-off": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0"},

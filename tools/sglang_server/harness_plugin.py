@@ -12,6 +12,8 @@ PYTHONPATH, SGLang's own ``load_plugins()`` runs ``register`` in each of its pro
   the host: the negative control, whose outputs must differ;
 * with ``HICACHE_SERVER_STAGING_SIDE_STREAM=1``, the package's staged backups gather on a side stream
   (``staging.GATHER_ON_SIDE_STREAM``), for the A/B of where the gather runs;
+* with ``HICACHE_SERVER_LOAD_QUOTA=<n>``, the package's one-layer copies take n CTAs where the caller
+  names none (SGLang names none), for the A/B of the load's CTA budget;
 * with ``HICACHE_SERVER_TRACE=<file>``, one JSON line per host pool built (its class, layout and row
   size, and what this package's plugin patched) and per load-back of each layer: the tokens the pool
   was asked to load, and ``ops``, the tokens each of this package's ops moved inside that call. So a
@@ -288,6 +290,21 @@ def pool_built(result, self, *args, **kwargs):
     return result
 
 
+def _default_one_layer_quota(quota: int) -> None:
+    """The package's one-layer copies use ``quota`` CTAs where the caller names none (SGLang never does;
+    upstream's own kernel then takes 2, this package's host-to-GPU default is 4): the A/B of that budget."""
+    from sglang_hicache_jit.transfer import ops
+
+    for name in ("transfer_one_layer", "transfer_one_layer_mla"):
+        op = getattr(ops, name)
+
+        @functools.wraps(op)
+        def with_quota(*args, _op=op, block_quota=None, **kwargs):
+            return _op(*args, block_quota=quota if block_quota is None else block_quota, **kwargs)
+
+        setattr(ops, name, with_quota)
+
+
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -295,6 +312,9 @@ def register() -> None:
         from sglang_hicache_jit.transfer import staging
 
         staging.GATHER_ON_SIDE_STREAM = True
+    load_quota = os.environ.get("HICACHE_SERVER_LOAD_QUOTA")
+    if load_quota:  # mode plugin-loadquota2: the one-layer loads at upstream's CTA budget
+        _default_one_layer_quota(int(load_quota))
 
     HookRegistry.register(_WEIGHTS, dummy_weights, HookType.REPLACE)
     for pool in _POOLS:

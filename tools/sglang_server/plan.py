@@ -27,7 +27,7 @@ REWRITTEN = {("kernel", "page_first_direct"): ("direct", "page_first_direct"),
              ("direct", "page_first"): ("direct", "page_first_direct")}
 EQUAL_MODES = ("upstream", "plugin", "plugin-nojit")
 ALL_MODES = ("upstream", "plugin", "plugin-nojit", "control", "control-plugin", "hicache-off",
-             "plugin-nostaging", "plugin-sidestream")  # engine_cell.MODES
+             "plugin-nostaging", "plugin-sidestream", "plugin-loadquota2")  # engine_cell.MODES
 
 
 @dataclass
@@ -76,7 +76,7 @@ def ttft(release: str) -> list:
 
 REALSIZE_MODES = ("upstream", "plugin", "plugin-nojit", "hicache-off")
 # Asked for by name only (--modes): the plugin without staging, to tell what staging costs the scheduler.
-REALSIZE_EXTRA_MODES = ("plugin-nostaging", "plugin-sidestream")
+REALSIZE_EXTRA_MODES = ("plugin-nostaging", "plugin-sidestream", "plugin-loadquota2")
 # The real-size engines: decode CUDA graphs on (up to the TPOT batch and the traffic beside it), prefill
 # graphs off (prefills of 8K-32K tokens gain nothing from them, and capturing them costs each start).
 REALSIZE_ARGS = {"disable_cuda_graph": False, "disable_prefill_cuda_graph": True, "cuda_graph_max_bs_decode": 48,
