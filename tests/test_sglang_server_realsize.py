@@ -78,6 +78,10 @@ def test_tables_pair_host_and_device_hits_and_compare_with_the_floor():
     assert row["of_floor"] == pytest.approx(43.0 / row["floor_ms"], abs=1e-3)
     text = summary.realsize_markdown(tables)
     assert row["device_after_miss"]["n"] == 3 and row["device_after_host"]["n"] == 4  # rounds 1, 3, 5 go device first
+    # host hits take 60 + i ms in round i: rounds 0, 2, 4, 6 right after the miss, 1, 3, 5 after the device hit
+    assert row["host_after_miss"] == {"median": 63.0, "min": 60.0, "max": 66.0, "n": 4}
+    assert row["host_after_device"] == {"median": 63.0, "min": 61.0, "max": 65.0, "n": 3}
+    assert "| 63.0 [60.0-66.0] n=4 | 63.0 [61.0-65.0] n=3 | 43.0 [40.0-46.0] n=7 |" in text
     assert "| mha-8b | plugin | 8192 | no |" in text and "| mha-8b | plugin | quiet | 9.0 | - | 9.4 | - | - |" in text
 
 
