@@ -1177,4 +1177,5 @@ def test_harness_load_quota_fills_in_only_a_missing_block_quota(monkeypatch):
     ops.transfer_one_layer(1, 2, 3)
     ops.transfer_one_layer_mla(1, 2, block_quota=7)
     assert seen == [("transfer_one_layer", 2), ("transfer_one_layer_mla", 7)]
-    assert "plugin-loadquota2" in plan.REALSIZE_EXTRA_MODES and engine_cell.MODES["plugin-loadquota2"]["HICACHE_SERVER_LOAD_QUOTA"] == "2"
+    assert "plugin-loadquota2" in plan.REALSIZE_EXTRA_MODES
+    assert engine_cell.MODES["plugin-loadquota2"]["HICACHE_SERVER_LOAD_QUOTA"] == "2"

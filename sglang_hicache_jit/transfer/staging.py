@@ -46,11 +46,12 @@ GATHER_BLOCKS = 32
 # Gather on the caller's stream, in order with the copies, rather than on a side stream that overlaps the
 # gather of one chunk with the copies of the one before. A side stream must wait on an event for a buffer's
 # copies before gathering into it again, and (the likely reason for what follows; not isolated) a stream
-# waiting on an event holds up the other streams that share its hardware queue, here SGLang's. Measured in a Llama-3.1-8B-sized SGLang 0.5.17 server
-# (H100, 2026-12-07, docs/BENCHMARKS.md), same machine: the device hit right after an 8K miss (whose 1 GiB
-# backup is four chunks) took 48.2 ms with the side stream, 39.0 ms with one stream, 38.0 ms upstream
-# (whose staged write-back also runs on one stream). One stream costs that backup about 5% of its rate
-# (23.2 against 22.0 ms); a backup of one chunk loses nothing. The harness flips this for the A/B.
+# waiting on an event holds up the other streams that share its hardware queue, here SGLang's. Measured
+# in a Llama-3.1-8B-sized SGLang 0.5.17 server (H100, 2026-12-07, docs/BENCHMARKS.md), same machine: the
+# device hit right after an 8K miss (whose 1 GiB backup is four chunks) took 48.2 ms with the side stream,
+# 39.0 ms with one stream, 38.0 ms upstream (whose staged write-back also runs on one stream). One stream
+# costs that backup about 5% of its rate (23.2 against 22.0 ms); a backup of one chunk loses nothing.
+# Read when a staging area is made; the server harness sets it first for the A/B.
 GATHER_ON_SIDE_STREAM = False
 
 
@@ -177,7 +178,7 @@ class PageStaging:
 
     def _submit(self, count: int, device_indices: torch.Tensor, plan, parts: list) -> None:
         stream = torch.cuda.current_stream(self.device)
-        side = self.side if GATHER_ON_SIDE_STREAM else stream
+        side = self.side or stream  # the area's own side stream where it was made with one
         if side is not stream:
             side.wait_stream(stream)
             if device_indices.is_cuda:  # the side stream reads them: their memory must outlive its gathers

@@ -75,7 +75,8 @@ def ttft(release: str) -> list:
 
 
 REALSIZE_MODES = ("upstream", "plugin", "plugin-nojit", "hicache-off")
-# Asked for by name only (--modes): the plugin without staging, to tell what staging costs the scheduler.
+# Asked for by name only (--modes), each an A/B of one choice (engine_cell.MODES): staging off, the staged
+# gather on a side stream, the one-layer loads at upstream's CTA budget.
 REALSIZE_EXTRA_MODES = ("plugin-nostaging", "plugin-sidestream", "plugin-loadquota2")
 # The real-size engines: decode CUDA graphs on (up to the TPOT batch and the traffic beside it), prefill
 # graphs off (prefills of 8K-32K tokens gain nothing from them, and capturing them costs each start).

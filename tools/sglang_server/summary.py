@@ -444,7 +444,8 @@ def realsize_markdown(tables: dict) -> str:
                      f"{'yes' if row['background'] else 'no'} | {_fmt(row['miss'])} | {_fmt(row['device'])} | "
                      f"{_fmt(row.get('device_after_miss'))} | {_fmt(row.get('device_after_host'))} | "
                      f"{_fmt(row['host'])} | {_fmt(row.get('host_after_miss'))} | "
-                     f"{_fmt(row.get('host_after_device'))} | {_fmt(row['host_minus_device'])} | {row['floor_ms']} | {row['of_floor']} |")
+                     f"{_fmt(row.get('host_after_device'))} | {_fmt(row['host_minus_device'])} | "
+                     f"{row['floor_ms']} | {row['of_floor']} |")
     # The baseline of each row: HiCache off under the same traffic (the same request stream, computed
     # and never written to or read from the host).
     off = {(r["model"], r["traffic"]): r["median_ms"] for r in tables["tpot"] if r["mode"] == "hicache-off"}
