@@ -27,7 +27,8 @@ REWRITTEN = {("kernel", "page_first_direct"): ("direct", "page_first_direct"),
              ("direct", "page_first"): ("direct", "page_first_direct")}
 EQUAL_MODES = ("upstream", "plugin", "plugin-nojit")
 ALL_MODES = ("upstream", "plugin", "plugin-nojit", "control", "control-plugin", "hicache-off",
-             "plugin-nostaging", "plugin-sidestream", "plugin-loadquota2")  # engine_cell.MODES
+             "plugin-nostaging", "plugin-sidestream", "plugin-loadquota2", "plugin-plain",
+             "plugin-resident")  # engine_cell.MODES
 
 
 @dataclass
@@ -76,8 +77,9 @@ def ttft(release: str) -> list:
 
 REALSIZE_MODES = ("upstream", "plugin", "plugin-nojit", "hicache-off")
 # Asked for by name only (--modes), each an A/B of one choice (engine_cell.MODES): staging off, the staged
-# gather on a side stream, the one-layer loads at upstream's CTA budget.
-REALSIZE_EXTRA_MODES = ("plugin-nostaging", "plugin-sidestream", "plugin-loadquota2")
+# gather on a side stream, the one-layer loads at upstream's CTA budget, the plain copy loop, the resident loader.
+REALSIZE_EXTRA_MODES = ("plugin-nostaging", "plugin-sidestream", "plugin-loadquota2", "plugin-plain",
+                        "plugin-resident")
 # The real-size engines: decode CUDA graphs on (up to the TPOT batch and the traffic beside it), prefill
 # graphs off (prefills of 8K-32K tokens gain nothing from them, and capturing them costs each start).
 REALSIZE_ARGS = {"disable_cuda_graph": False, "disable_prefill_cuda_graph": True, "cuda_graph_max_bs_decode": 48,
