@@ -1167,15 +1167,22 @@ def test_realsize_takes_the_modes_asked_for_and_refuses_others(tmp_path):
             main.main(bad + ["--release", "0.5.17", "--out", str(tmp_path / "out"), "--dry-run"])
 
 
-def test_harness_load_quota_fills_in_only_a_missing_block_quota(monkeypatch):
+def test_harness_load_options_fill_in_only_what_the_caller_left_out(monkeypatch):
     from sglang_hicache_jit.transfer import ops
 
     seen = []
     for name in ("transfer_one_layer", "transfer_one_layer_mla"):
-        monkeypatch.setattr(ops, name, lambda *args, block_quota=None, _n=name, **kw: seen.append((_n, block_quota)))
-    harness_plugin._default_one_layer_quota(2)
+        monkeypatch.setattr(ops, name, lambda *args, block_quota=None, method=None, _n=name, **kw:
+                            seen.append((_n, block_quota, method)))
+    harness_plugin._default_one_layer_options(quota=2)
     ops.transfer_one_layer(1, 2, 3)
     ops.transfer_one_layer_mla(1, 2, block_quota=7)
-    assert seen == [("transfer_one_layer", 2), ("transfer_one_layer_mla", 7)]
-    assert "plugin-loadquota2" in plan.REALSIZE_EXTRA_MODES
+    harness_plugin._default_one_layer_options(method="plain")
+    ops.transfer_one_layer(1, 2, 3)  # both wrappers now: quota 2 from the first, plain from the second
+    ops.transfer_one_layer_mla(1, 2, method="bulk")
+    assert seen == [("transfer_one_layer", 2, None), ("transfer_one_layer_mla", 7, None),
+                    ("transfer_one_layer", 2, "plain"), ("transfer_one_layer_mla", 2, "bulk")]
+    assert {"plugin-loadquota2", "plugin-plain", "plugin-resident"} <= set(plan.REALSIZE_EXTRA_MODES)
     assert engine_cell.MODES["plugin-loadquota2"]["HICACHE_SERVER_LOAD_QUOTA"] == "2"
+    assert engine_cell.MODES["plugin-plain"]["HICACHE_SERVER_LOAD_METHOD"] == "plain"
+    assert engine_cell.MODES["plugin-resident"]["HICACHE_SERVER_LOAD_METHOD"] == "resident"

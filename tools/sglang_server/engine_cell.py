@@ -16,11 +16,12 @@ workload. The mode sets, before SGLang is imported (its processes inherit the en
   ``staging.GATHER_ON_SIDE_STREAM``;
 * ``plugin-loadquota2``: the plugin on, its one-layer loads at 2 CTAs, upstream's budget, instead of the
   package's default (``HICACHE_SERVER_LOAD_QUOTA=2``): the A/B of the 8K host hit's 3 ms gap;
-* ``plugin-plain``: the plugin on with ``SGLANG_HICACHE_JIT_METHOD=plain``: the kernel's plain copy loop,
-  whose CTAs use no shared memory, instead of the bulk copies, whose CTA takes a whole multiprocessor's
-  shared memory and so waits for one to drain (the A/B of that wait beside the forward pass);
-* ``plugin-resident``: the plugin on with ``SGLANG_HICACHE_JIT_METHOD=resident``: copies handed to CTAs
-  that are already resident, so no launch waits for a multiprocessor;
+* ``plugin-plain``: the plugin on, its one-layer loads through the kernel's plain copy loop, whose CTAs use
+  no shared memory, at its default 8 CTAs (``HICACHE_SERVER_LOAD_METHOD=plain``), instead of the bulk
+  copies, whose CTA takes a whole multiprocessor's shared memory and so waits for one to drain: the A/B of
+  that wait beside the forward pass;
+* ``plugin-resident``: the plugin on, its one-layer loads handed to CTAs that are already resident
+  (``HICACHE_SERVER_LOAD_METHOD=resident``), so no load waits for a multiprocessor;
 * ``control``: as ``upstream``, with every row loaded back from the host zeroed on the device
   (``harness_plugin.py``): its outputs must differ, or the test cannot see the KV bytes;
 * ``control-plugin``: the same corruption with the plugin on;
@@ -55,8 +56,8 @@ MODES = {
     "plugin-nostaging": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "SGLANG_HICACHE_JIT_STAGING": "0"},
     "plugin-sidestream": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "HICACHE_SERVER_STAGING_SIDE_STREAM": "1"},
     "plugin-loadquota2": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "HICACHE_SERVER_LOAD_QUOTA": "2"},
-    "plugin-plain": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "SGLANG_HICACHE_JIT_METHOD": "plain"},
-    "plugin-resident": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "SGLANG_HICACHE_JIT_METHOD": "resident"},
+    "plugin-plain": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "HICACHE_SERVER_LOAD_METHOD": "plain"},
+    "plugin-resident": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "HICACHE_SERVER_LOAD_METHOD": "resident"},
     "control": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0", "HICACHE_SERVER_CORRUPT": "zero"},
     "control-plugin": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "1", "HICACHE_SERVER_CORRUPT": "zero"},
     "hicache-off": {"SGLANG_HICACHE_JIT_SGLANG_PLUGIN": "0"},

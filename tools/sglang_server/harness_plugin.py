@@ -290,19 +290,22 @@ def pool_built(result, self, *args, **kwargs):
     return result
 
 
-def _default_one_layer_quota(quota: int) -> None:
-    """The package's one-layer copies use ``quota`` CTAs where the caller names none (SGLang never does;
-    upstream's own kernel then takes 2, this package's host-to-GPU default is 4): the A/B of that budget."""
+def _default_one_layer_options(*, quota: int | None = None, method: str | None = None) -> None:
+    """The package's one-layer copies (SGLang's per-layer loads) take ``quota`` CTAs and copy ``method``
+    where the caller names none (SGLang never does; upstream's own kernel then takes 2 CTAs, this package's
+    host-to-GPU default is 4 CTAs of bulk copies): the A/B of those choices, for the loads alone."""
     from sglang_hicache_jit.transfer import ops
 
     for name in ("transfer_one_layer", "transfer_one_layer_mla"):
         op = getattr(ops, name)
 
         @functools.wraps(op)
-        def with_quota(*args, _op=op, block_quota=None, **kwargs):
-            return _op(*args, block_quota=quota if block_quota is None else block_quota, **kwargs)
+        def with_options(*args, _op=op, block_quota=None, method=None, **kwargs):
+            return _op(*args, block_quota=quota if block_quota is None else block_quota,
+                       method=method_default if method is None else method, **kwargs)
 
-        setattr(ops, name, with_quota)
+        method_default = method
+        setattr(ops, name, with_options)
 
 
 def register() -> None:
@@ -312,9 +315,10 @@ def register() -> None:
         from sglang_hicache_jit.transfer import staging
 
         staging.GATHER_ON_SIDE_STREAM = True
-    load_quota = os.environ.get("HICACHE_SERVER_LOAD_QUOTA")
-    if load_quota:  # mode plugin-loadquota2: the one-layer loads at upstream's CTA budget
-        _default_one_layer_quota(int(load_quota))
+    load_quota = os.environ.get("HICACHE_SERVER_LOAD_QUOTA")  # mode plugin-loadquota2: upstream's CTA budget
+    load_method = os.environ.get("HICACHE_SERVER_LOAD_METHOD")  # modes plugin-plain, plugin-resident
+    if load_quota or load_method:
+        _default_one_layer_options(quota=int(load_quota) if load_quota else None, method=load_method or None)
 
     HookRegistry.register(_WEIGHTS, dummy_weights, HookType.REPLACE)
     for pool in _POOLS:
