@@ -41,10 +41,25 @@ def test_list_names_every_workload_and_its_question(bench, capsys):
 
 
 @pytest.mark.parametrize("name", ["layouts", "cta", "grid", "beside", "overhead", "host-cost", "plan-cost",
-                                  "copy-sizes", "copy-queue", "loader", "warm-ab", "sglang-pool", "releases"])
+                                  "copy-sizes", "copy-queue", "layered", "loader", "warm-ab", "sglang-pool",
+                                  "releases"])
 def test_every_workload_parses_its_defaults(bench, name):
     args = bench._parser().parse_args([name, *REQUIRED.get(name, [])])
     assert args.workload == name and args.out is None
+
+
+@pytest.mark.parametrize("beside", ["none", "decode"])
+def test_layered_runs_through_on_the_cpu_bit_exact(bench, tmp_path, capsys, beside):
+    """The host-hit stand-in: the per-layer loads, the forward pass that waits for each layer, the device hit
+    beside it, one row per provider with the gap between them (times meaningless on the CPU)."""
+    result = tmp_path / "layered.jsonl"
+    assert bench.main(["layered", "--smoke", "--beside", beside, "--out", str(result)]) == 0, capsys.readouterr().out
+    header, *rows = _lines(result)
+    assert header["bench"] == "layered" and "layered --smoke" in header["command"]
+    assert [(r["provider"], r["exact"], r["beside"]) for r in rows] == [("torch", True, beside)]
+    row = rows[0]
+    assert row["host_minus_device_ms"] == pytest.approx(row["samples"][0]["host_ms"] - row["samples"][0]["device_ms"])
+    assert 0 <= row["first_ms"] <= row["load_ms"] and row["device_ms"] > 0 and row["host_ms"] > 0
 
 
 def test_the_device_script_runs_only_commands_that_parse(bench, tmp_path):

@@ -51,6 +51,9 @@ WORKLOADS = {
                           "device, no-op launcher); with --baseline REV against an older tree."),
     "plan-cost": Workload("copy_engine", "CPU", "Host time of each planning stage of the direct (copy-engine) path "
                           "for one call."),
+    "layered": Workload("layered", "GPU", "How much later than a device hit does a forward pass that uses each "
+                        "layer as soon as its load ends finish, per copy method (a host hit as SGLang runs it, "
+                        "without a server), alone or beside decode steps, against the PCIe floor?"),
     "copy-sizes": Workload("copy_engine", "GPU", "What copy size do the batched copy engines need to reach the "
                            "link, each direction and both at once, beside the contiguous copy and the kernel?"),
     "copy-queue": Workload("copy_queue", "GPU", "How long does a small copy on another stream (a step's sampled "
