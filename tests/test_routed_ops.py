@@ -102,6 +102,18 @@ def test_direct_ops_move_the_right_rows_planned_per_page_when_they_can(padded, m
     assert bool(per_row) == padded  # whole pages never take the per-row plan
 
 
+def test_a_direct_op_with_index_lists_of_two_lengths_names_both_and_copies_nothing():
+    """The routed copy checks each index tensor once, under the op's own argument names, and then the lengths."""
+    host, dev, h, d = _direct_case(False)
+    flat = [t.view(-1, DIM).clone() for t in dev]
+    out = [torch.zeros_like(t) for t in flat]
+    with pytest.raises(ValueError, match=r"dst_indices has 11 entries but src_indices has 12"):
+        routed.transfer_kv_direct(flat, out, d, d[:-1], PAGE)
+    assert all(not t.any() for t in out)
+    with pytest.raises(TypeError, match="dst_indices must be int32 or int64"):
+        routed.transfer_kv_direct(flat, out, d, d.float(), PAGE)
+
+
 def test_all_layer_backups_default_to_the_gpu_to_host_cta_budget(monkeypatch):
     """SGLang's all-layer ops are its backups (into host memory): left out, block_quota is ops.D2H_BLOCK_QUOTA
     (2, as upstream's kernel), and a caller's number stands."""

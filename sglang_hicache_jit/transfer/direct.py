@@ -175,8 +175,13 @@ def check_pair(indices_dst, indices_src) -> None:
     what a caller of route.copy checks once per operation."""
     check_index_tensor("indices_dst", indices_dst)
     check_index_tensor("indices_src", indices_src)
+    same_length(indices_dst, indices_src)
+
+
+def same_length(indices_dst, indices_src, names: tuple = ("indices_dst", "indices_src")) -> None:
+    """ValueError naming both arguments unless the two (checked) index tensors have one length."""
     if indices_dst.numel() != indices_src.numel():
-        raise ValueError(f"indices_dst has {indices_dst.numel()} entries but indices_src has "
+        raise ValueError(f"{names[0]} has {indices_dst.numel()} entries but {names[1]} has "
                          f"{indices_src.numel()}; they must have the same length")
 
 

@@ -107,7 +107,7 @@ def _copy(pairs, indices_dst, indices_src, *, page_size: int = 1, dst_rows=None,
     pairs = direct.Pairs(pairs)
     bounds.check_index_tensor(names[0], indices_dst, pairs.device)
     bounds.check_index_tensor(names[1], indices_src, pairs.device)
-    direct.check_pair(indices_dst, indices_src)
+    direct.same_length(indices_dst, indices_src, names)
     route.copy(pairs, indices_dst, indices_src, page_size=page_size, dst_map=dst_rows, src_map=src_rows)
 
 
