@@ -11,7 +11,7 @@ import torch
 
 from sglang_hicache_jit.integrations.sglang import ops as routed
 from sglang_hicache_jit.integrations.sglang import pools as hooks
-from sglang_hicache_jit.transfer import checks, direct, host_pool, layout, route
+from sglang_hicache_jit.transfer import bounds, checks, direct, host_pool, layout, route
 
 from test_host_pool import as_bytes, fill_random, get_host_rows, make_device_pool, make_host_pool
 
@@ -114,11 +114,11 @@ def test_indices_are_checked_once_per_operation(how, monkeypatch):
     seen = []
     real = checks.check_index_tensor
 
-    def counting(name, idx):
+    def counting(name, idx, device=None):
         seen.append(name)
-        return real(name, idx)
+        return real(name, idx, device)
 
-    for module in (host_pool, direct):
+    for module in (host_pool, direct, bounds):  # bounds: where the routed ops call it, under their own names
         monkeypatch.setattr(module, "check_index_tensor", counting)
     route.PLANS.clear()
     h, d = torch.tensor([5, 1, 9, 2]), torch.tensor([0, 7, 3, 4])  # not whole pages: the per-row plan

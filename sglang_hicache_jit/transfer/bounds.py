@@ -103,7 +103,7 @@ def check_layer(layer_id, layers: int, *, name: str = "layer_id", pool: str = "a
 
 
 def token_rows(name: str, tokens: torch.Tensor, *, page_size: int, page_rows: int, slots: int,
-               token_stride: int = 1, pool: str = "the host pool") -> torch.Tensor:
+               token_stride: int = 1, pool: str = "the host pool", checked: bool = False) -> torch.Tensor:
     """The row of each token of a paged layout: ``(t // page_size) * page_rows + (t % page_size) *
     token_stride``, as int64 on the tokens' device; negative tokens stay negative (padding).
 
@@ -111,9 +111,12 @@ def token_rows(name: str, tokens: torch.Tensor, *, page_size: int, page_rows: in
     TransferIndexError naming ``name``; on a GPU, where reading the tokens would wait for it, such a
     token maps to PAST_THE_END, which the consumer's range check refuses (the kernel skips the row
     and reports it at the next op), so the caller must hand the rows to a path that knows the pool's
-    row count. Either way the product is never formed for a token outside the pool.
+    row count. Either way the product is never formed for a token outside the pool. ``checked``: the caller
+    already held ``tokens`` to the index contract (check_index_tensor), so it is not checked again; the range
+    check stays.
     """
-    check_index_tensor(name, tokens)
+    if not checked:
+        check_index_tensor(name, tokens)
     tokens = tokens.to(torch.int64)
     if tokens.is_cuda:
         outside = tokens >= slots

@@ -38,6 +38,7 @@ from .bounds import PAST_THE_END, check_rows
 from .checks import check_index_tensor
 from .cuda import WORDS, CudaRuntime, cuda_runtime, word
 from .descriptors import describe_copies
+from .layout import TokenRows
 
 log = logging.getLogger("sglang_hicache_jit.direct")  # its name from before the move to a subpackage (issue 20)
 
@@ -326,7 +327,11 @@ def runs_of(dst: torch.Tensor, src: torch.Tensor, page_size: int = 1, *, dst_row
 
 
 def _mapped(to_rows, slots: torch.Tensor) -> torch.Tensor:
-    return slots if to_rows is None else to_rows(slots)
+    if to_rows is None:
+        return slots
+    if isinstance(to_rows, TokenRows):  # the caller checked the slots (runs_of): only their range is
+        return to_rows(slots, checked=True)
+    return to_rows(slots)
 
 
 def copy_runs(pairs, runs: Runs, *, mode: str = "auto") -> str:

@@ -255,10 +255,14 @@ class HostKVPool:
             raise ValueError(f"host_indices has {host_indices.shape[0]} entries but device_indices has "
                              f"{device_indices.shape[0]}; they must have the same length")
 
+    def _stages(self) -> bool:
+        """Whether this pool's copy-engine backups go through a staging area (route.pool_stages)."""
+        return route.pool_stages(self.layout, layers=self.layer_num, pinned=self.pin_memory,
+                                 budget_bytes=self.staging_bytes,
+                                 page_bytes=self.page_size * self.layer_num * self.row_bytes * self.num_caches)
+
     def _path(self, io_backend, operation: str, device_indices=None) -> str:
-        staged = operation == "backup" and route.pool_stages(
-            self.layout, layers=self.layer_num, pinned=self.pin_memory, budget_bytes=self.staging_bytes,
-            page_bytes=self.page_size * self.layer_num * self.row_bytes * self.num_caches)
+        staged = operation == "backup" and self._stages()
         return route.io_path(io_backend, operation, pool_path=self.transfer_path, copy_bytes=self.copy_bytes,
                              device_indices=device_indices, layout=self.layout, staged=staged,
                              direct_mode=self.direct_mode)
@@ -347,9 +351,7 @@ class HostKVPool:
 
     def _make_staging(self, side: _DeviceSide):
         """The staging area of ``side``, or False where none applies (see _staging)."""
-        if not route.pool_stages(self.layout, layers=self.layer_num, pinned=self.pin_memory,
-                                 budget_bytes=self.staging_bytes,
-                                 page_bytes=self.page_size * self.layer_num * self.row_bytes * self.num_caches):
+        if not self._stages():
             return False
         from . import staging
 

@@ -73,9 +73,9 @@ class TokenRows(NamedTuple):
     token_stride: int = 1
     pool: str = "the host pool"
 
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, *, checked: bool = False) -> torch.Tensor:
         return bounds.token_rows(self.name, tokens, page_size=self.page_size, page_rows=self.page_rows,
-                                 slots=self.slots, token_stride=self.token_stride, pool=self.pool)
+                                 slots=self.slots, token_stride=self.token_stride, pool=self.pool, checked=checked)
 
 
 def token_rows(layout: str, *, layers: int, page_size: int, slots: int, name: str = "host_indices",
