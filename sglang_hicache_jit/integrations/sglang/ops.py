@@ -606,6 +606,15 @@ def _page_head_rows(name: str, indices: torch.Tensor, page_size: int, heads: int
                              slots=pages * page_size, token_stride=layers)
 
 
+def _head_rows(flat: torch.Tensor, head: int, layer: int, page_size: int, layers: int, heads: int) -> torch.Tensor:
+    """The rows of ``head`` of ``layer`` in a page_head buffer's flat head pieces: a view from the first such
+    piece, whose token ``t`` is row ``token_rows`` (_page_head_rows) of it; it ends where the last head's
+    pieces of that layer end, so every head's view has one length."""
+    span = flat.shape[0] - ((heads - 1) * page_size * layers + layer)
+    base = head * page_size * layers + layer
+    return flat[base:base + span]
+
+
 def _page_head_pairs(host: torch.Tensor, device_rows: torch.Tensor, layer_id: int, item_size: int, page_size: int,
                      heads: int, *, host_is_dst: bool, names: tuple[str, str]) -> tuple[list, tuple[int, int]]:
     host_name, device_name = names
@@ -616,12 +625,10 @@ def _page_head_pairs(host: torch.Tensor, device_rows: torch.Tensor, layer_id: in
         raise ValueError(f"{device_name} must hold rows of head_num={heads} x {head_elems} elements per slot, got "
                          f"shape {tuple(device_rows.shape)}")
     flat = host.view(-1, head_elems)
-    span = flat.shape[0] - ((heads - 1) * page_size * layers + layer_id)
     dev = device_rows.view(device_rows.shape[0], heads, head_elems)
     pairs = []
     for h in range(heads):
-        base = h * page_size * layers + layer_id
-        pair = (flat[base:base + span], dev[:, h])
+        pair = (_head_rows(flat, h, layer_id, page_size, layers, heads), dev[:, h])
         pairs.append(pair if host_is_dst else pair[::-1])
     return pairs, (layers, pages)
 
@@ -672,11 +679,10 @@ def transfer_kv_all_layer_lf_ph(src_k_layers, dst_k, src_v_layers, dst_v, src_in
         # Every head's piece lies inside its token's row: the rows that hold whole rows bound them all.
         device_rows = table.rows(item_size, item_size, name)
         for layer, address in enumerate(table.addresses):
-            span = flat.shape[0] - ((head_num - 1) * page_size * num_layers + layer)
             for h in range(head_num):
-                base = h * page_size * num_layers + layer
-                pairs.append((flat[base:base + span], direct.Rows.at(address + h * head_bytes, item_size, head_bytes,
-                                                                     table.device, device_rows)))
+                pairs.append((_head_rows(flat, h, layer, page_size, num_layers, head_num),
+                              direct.Rows.at(address + h * head_bytes, item_size, head_bytes, table.device,
+                                             device_rows)))
     # Raw device rows: the copy engines serve this layout whatever the probe says.
     _copy(pairs, rows, src_indices, names=("dst_indices", "src_indices"))
 
