@@ -59,3 +59,16 @@ def test_a_part_of_a_plan_whose_runs_were_split_is_refused():
     with pytest.raises(ValueError, match="part"):
         plan.run(pairs, part=(1, 0))
     plan.run(pairs, part=(0, 1))
+
+
+@pytest.mark.parametrize("page, layers", [(1, 1), (1, 4), (16, 3), (64, 32)])
+def test_staged_rows_are_the_page_first_direct_token_map(page, layers):
+    """A staging buffer's blocks are laid out as page_first_direct host pages: token t of a chunk sits at row
+    (t // page) * layers * page + t % page of a layer's flat rows, each row once."""
+    from sglang_hicache_jit.transfer import staging
+
+    tokens = 4 * page
+    rows = staging.staged_rows(tokens, page, layers)
+    t = torch.arange(tokens)
+    assert rows.dtype == torch.int64 and torch.equal(rows, (t // page) * layers * page + t % page)
+    assert rows.unique().numel() == tokens and int(rows.max()) < 4 * page * layers

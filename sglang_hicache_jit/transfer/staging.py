@@ -33,6 +33,7 @@ import torch
 from . import direct
 from ..errors import TransferIndexError
 from .bounds import PAST_THE_END
+from .layout import TokenRows
 
 # Host slots must come in runs of at least this many tokens on average for staging to pay: each run is one
 # flat copy of run x layers x row bytes, and the copy engines' fixed cost per copy (0.3-0.8 us in a batch)
@@ -238,9 +239,10 @@ def _check_memory(memory: list, host_caches: list, device) -> None:
 
 def staged_rows(tokens: int, page: int, layers: int) -> torch.Tensor:
     """Where each of ``tokens`` staged tokens sits in a layer's flat rows of a staging buffer whose blocks are
-    ``page`` tokens of ``layers`` layers: ``(t // page) * layers * page + t % page`` (int64, CPU)."""
-    t = torch.arange(tokens, dtype=torch.int64)
-    return (t // page) * (layers * page) + t % page
+    ``page`` tokens of ``layers`` layers, as in a page_first_direct host buffer: layout.TokenRows' map
+    ``(t // page) * layers * page + t % page`` (int64, CPU)."""
+    to_rows = TokenRows(page, layers * page, tokens, "staged tokens")
+    return to_rows(torch.arange(tokens, dtype=torch.int64), checked=True)
 
 
 # ---------------------------------------------------------------------------
