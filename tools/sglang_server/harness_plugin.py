@@ -12,8 +12,9 @@ PYTHONPATH, SGLang's own ``load_plugins()`` runs ``register`` in each of its pro
   the host: the negative control, whose outputs must differ;
 * with ``HICACHE_SERVER_STAGING_SIDE_STREAM=1``, the package's staged backups gather on a side stream
   (``staging.GATHER_ON_SIDE_STREAM``), for the A/B of where the gather runs;
-* with ``HICACHE_SERVER_LOAD_QUOTA=<n>``, the package's one-layer copies take n CTAs where the caller
-  names none (SGLang names none), for the A/B of the load's CTA budget;
+* with ``HICACHE_SERVER_LOAD_QUOTA=<n>`` and/or ``HICACHE_SERVER_LOAD_METHOD=<method>`` (e.g. plain,
+  resident), the package's one-layer copies take n CTAs and that copy method where the caller names none
+  (SGLang names none), for the A/B of the loads' CTA budget and copy method;
 * with ``HICACHE_SERVER_TRACE=<file>``, one JSON line per host pool built (its class, layout and row
   size, and what this package's plugin patched) and per load-back of each layer: the tokens the pool
   was asked to load, and ``ops``, the tokens each of this package's ops moved inside that call. So a
@@ -300,11 +301,10 @@ def _default_one_layer_options(*, quota: int | None = None, method: str | None =
         op = getattr(ops, name)
 
         @functools.wraps(op)
-        def with_options(*args, _op=op, block_quota=None, method=None, **kwargs):
-            return _op(*args, block_quota=quota if block_quota is None else block_quota,
-                       method=method_default if method is None else method, **kwargs)
+        def with_options(*args, _op=op, _quota=quota, _method=method, block_quota=None, method=None, **kwargs):
+            return _op(*args, block_quota=_quota if block_quota is None else block_quota,
+                       method=_method if method is None else method, **kwargs)
 
-        method_default = method
         setattr(ops, name, with_options)
 
 
