@@ -203,6 +203,45 @@ def test_all_layer_calls_pass_pointer_tables_and_byte_strides(caches):
     assert kwargs["element_size"] == 256 and kwargs["page_size"] == 64
 
 
+class FakeOldSGLang:
+    """Stands in for the module of a release with the register kernel only (0.5.16, 0.5.17): no TMA
+    dispatcher, no TMA_BLOCK_QUOTA, and transfer functions without a ``page_size`` keyword."""
+
+    DEFAULT_BLOCK_QUOTA = 2
+
+    def __init__(self):
+        self.calls = []
+
+    def can_use_hicache_jit_kernel(self, *, element_size, unroll=None, block_quota=None):
+        return element_size % 128 == 0
+
+    def transfer_hicache_one_layer(self, k_dst, v_dst, i_dst, k_src, v_src, i_src, *, element_dim=None,
+                                   unroll=None, block_quota=None):
+        self.calls.append(("one", element_dim, block_quota))
+
+    def transfer_hicache_one_layer_mla(self, dst, i_dst, src, i_src, *, element_dim=None, unroll=None,
+                                       block_quota=None):
+        self.calls.append(("one_mla", element_dim, block_quota))
+
+
+@pytest.mark.parametrize("provider, quota", [("upstream", None), ("upstream-reg", None), ("upstream-q4", 4)])
+def test_a_release_without_the_tma_kernel_runs_its_register_kernel(provider, quota):
+    up = FakeOldSGLang()
+    call, _, _ = _build(up, provider, _pools(2, 2048))
+    call()
+    assert call.kernel == "reg"
+    assert up.calls == [("one", 2048, quota)] * 2  # no page_size passed: the release's functions refuse it
+
+
+def test_a_release_without_the_tma_kernel_skips_the_tma_provider_and_rows_it_cannot_take():
+    up = FakeOldSGLang()
+    with pytest.raises(Unavailable, match="no TMA HiCache kernel"):
+        _build(up, "upstream-tma", _pools(1, 1152))
+    with pytest.raises(Unavailable, match="register kernel does not take 576-byte rows"):
+        _build(up, "upstream", _pools(1, 576))
+    assert up.calls == []
+
+
 def test_rows_or_builds_sglang_cannot_take_are_skipped_with_the_reason():
     up = FakeSGLang()
     with pytest.raises(Unavailable, match="register kernel does not take 576-byte rows"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 
 MODULE = "sglang.kernels.ops.kvcache.hicache"
@@ -82,9 +83,34 @@ def _forced(up, use_tma: bool, call):
     return run
 
 
+def _has_tma(up) -> bool:
+    """Whether this release has the TMA kernel (0.5.16 and 0.5.17 have only the register kernel)."""
+    return callable(getattr(up, "use_hicache_tma_kernel", None))
+
+
+def _takes(function, name: str) -> bool:
+    """Whether SGLang's ``function`` takes the keyword ``name`` (``page_size`` came in a later release)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
 def prepare(up, kernel, row_bytes: int, quota, page_size: int) -> str:
     """Builds or loads the SGLang kernel a provider will run; returns 'reg' or 'tma', or raises Unavailable."""
-    tma_quota = quota or up.TMA_BLOCK_QUOTA
+    if not _has_tma(up):  # a release with the register kernel only: nothing to choose
+        if kernel == "tma":
+            raise Unavailable("this SGLang release has no TMA HiCache kernel (use_hicache_tma_kernel is missing)")
+        try:
+            ok = up.can_use_hicache_jit_kernel(element_size=row_bytes, block_quota=quota)
+        except Exception as exc:
+            raise Unavailable(f"SGLang's kernel cannot be built or loaded here: {type(exc).__name__}: {exc}") from exc
+        if not ok:
+            raise Unavailable(f"SGLang's register kernel does not take {row_bytes}-byte rows here, or did not "
+                              "build (SGLang's warning above says which)")
+        return "reg"
+    tma_quota = quota or getattr(up, "TMA_BLOCK_QUOTA", None) or up.DEFAULT_BLOCK_QUOTA
     try:
         if kernel == "tma":
             if up.use_hicache_tma_kernel(element_size=row_bytes, block_quota=tma_quota, page_size=None):
@@ -136,7 +162,9 @@ def build_call(up, provider: str, pools, scope: str, to_device: bool, layer: int
     row_bytes = pools.row_bytes
     _note_compiles()
     picked = prepare(up, kernel, row_bytes, quota, page_size)
-    kw = dict(block_quota=quota, page_size=page_size)
+    kw = dict(block_quota=quota)
+    if _takes(up.transfer_hicache_one_layer, "page_size"):
+        kw["page_size"] = page_size
     idx_dst, idx_src = (dev_idx, host_idx) if to_device else (host_idx, dev_idx)
     if scope == "all":
         host = [_pointer_table([buf[:, l] for l in range(layers)], host_idx.device) for buf in pools.host]
@@ -165,7 +193,7 @@ def build_call(up, provider: str, pools, scope: str, to_device: bool, layer: int
             def call():
                 up.transfer_hicache_one_layer(dst[0], dst[1], idx_dst, src[0], src[1], idx_src,
                                               element_dim=row_bytes, **kw)
-    if kernel is not None:
+    if kernel is not None and _has_tma(up):
         call = _forced(up, kernel == "tma", call)
     try:
         call()
