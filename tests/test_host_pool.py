@@ -302,6 +302,64 @@ def test_direct_never_sends_small_copies_to_the_copy_engines_one_by_one(layout, 
     assert pool._path("direct", "load", torch.zeros(1024, dtype=torch.int64)) == "direct"
 
 
+class _Staging:
+    """A pool's staging area that takes a backup (``takes``) or declines it, as for host slots in short runs."""
+
+    def __init__(self, takes: bool):
+        self.takes, self.calls = takes, 0
+
+    def backup(self, host_indices, device_indices):
+        self.calls += 1
+        return self.takes
+
+
+def _backup_ran(monkeypatch, pool, io_backend, staging) -> list:
+    """What one backup of ``pool`` ran: ('kernel', block_quota) or ('direct', None), with its staging area
+    replaced by ``staging`` (None: no area, as with SGLANG_HICACHE_JIT_STAGING=0)."""
+    from sglang_hicache_jit.transfer import host_pool as pool_module
+    from sglang_hicache_jit.transfer import ops
+
+    ran = []
+    monkeypatch.setattr(pool, "_staging", lambda side: staging)
+    monkeypatch.setattr(pool, "_host_layer_table", lambda: "host table")
+    monkeypatch.setattr(pool_module._DeviceSide, "table", lambda side: "device table")
+    monkeypatch.setattr(ops, "transfer_all_layer", lambda *args, method=None, block_quota=None:
+                        ran.append(("kernel", block_quota)))
+    monkeypatch.setattr(pool, "_copy_direct", lambda *args, **kwargs: ran.append(("direct", None)))
+    indices = torch.arange(64, dtype=torch.int64)
+    pool.backup_from_device_all_layer(pool.device_pool, indices, indices, io_backend)
+    return ran
+
+
+@pytest.mark.parametrize("layout, io_backend, expected", [
+    ("page_first", "auto", ("kernel", None)),  # the kernel's default budget into host memory
+    ("page_first_direct", "auto", ("kernel", None)),
+    ("page_first", "direct", ("kernel", route.SMALL_COPY_CTAS)),  # single rows, far under SMALL_COPY_BYTES
+    ("page_first_direct", "direct", ("direct", None)),  # 72 KiB per page of a layer: the copy engines keep it
+])
+def test_a_backup_staging_does_not_take_goes_where_its_row_copies_would_not_crawl(monkeypatch, layout, io_backend,
+                                                                                    expected):
+    """Where staging declines a backup (host slots in short runs, padding) or is off, its rows would leave one copy
+    per row or page of a layer: 'auto' takes the kernel where it works, 'direct' the one-CTA kernel for copies
+    under SMALL_COPY_BYTES (route.unstaged_backup_path); without the kernel the copy engines. A backup that
+    staging takes runs nothing else."""
+    device = MLADevicePool([torch.zeros((1024, 1, 576), dtype=torch.bfloat16) for _ in range(2)])
+    pool = MLAHostKVPool(device, size=1024, page_size=64, layout=layout, pin_memory=False)
+    pool.transfer_path = "kernel"  # as on a GPU where the probe said yes
+    pool.pin_memory = True  # pinned: the pool stages these backups
+    declines = _Staging(False)
+    assert _backup_ran(monkeypatch, pool, io_backend, declines) == [expected] and declines.calls == 1
+    assert _backup_ran(monkeypatch, pool, io_backend, None) == [expected]  # staging off
+    takes = _Staging(True)
+    assert _backup_ran(monkeypatch, pool, io_backend, takes) == [] and takes.calls == 1
+    assert pool.last_direct_mode == "staged"
+    pool.transfer_path = "direct"  # no kernel for these rows: the copy engines, row by row
+    assert _backup_ran(monkeypatch, pool, io_backend, _Staging(False)) == [("direct", None)]
+    pool.transfer_path = "kernel"
+    pool.direct_mode = "2d"  # a pool told how to submit its copies keeps them on the copy engines
+    assert _backup_ran(monkeypatch, pool, "direct", _Staging(False)) == [("direct", None)]
+
+
 # ---------------------------------------------------------------------------
 # Allocator.
 

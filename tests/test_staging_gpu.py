@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang_hicache_jit import ops
-from sglang_hicache_jit.transfer import staging
+from sglang_hicache_jit.transfer import route, staging
 
 from test_host_pool import (as_bytes, device_caches, fill_random, get_host_rows, host_caches, make_device_pool,
                             make_host_pool, set_host_rows, shuffle_allocator)
@@ -82,16 +82,22 @@ def test_sharded_pools_stage_their_owned_layers(layout):
     assert pool.last_direct_mode == "staged"
 
 
+@pytest.mark.parametrize("direct_mode", [None, "batch"], ids=["one-cta-kernel", "copy-engines"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_scattered_or_padded_rows_take_the_row_copies(layout):
+def test_scattered_or_padded_rows_take_the_row_copies(layout, direct_mode):
+    """Backups staging does not take go row by row (route.unstaged_backup_path): their copies (one 1152-B row,
+    or a 16-token page of a layer) are under SMALL_COPY_BYTES, so io_backend='direct' runs them on the
+    one-CTA kernel (last_direct_mode None), or on the copy engines where the pool names their submission."""
     gen, dp, pool = _pool("mla", 16, seed=4, layout=layout)
+    assert pool.copy_bytes < route.SMALL_COPY_BYTES
+    pool.direct_mode = direct_mode or pool.direct_mode
     host, dev = _whole_pages(pool, gen, 3)
     _backup_and_check(gen, dp, pool, host[::2], dev[::2])  # every other slot: runs of one token
-    assert pool.last_direct_mode == "batch"
+    assert pool.last_direct_mode == direct_mode
     padded = dev.clone()
     padded[5] = -1  # a skipped pair: its host row must stay as it was, which a whole-page copy cannot do
     _backup_and_check(gen, dp, pool, host, padded)
-    assert pool.last_direct_mode == "batch"
+    assert pool.last_direct_mode == direct_mode
 
 
 @pytest.mark.parametrize("side_stream", [False, True], ids=["default-stream", "side-stream"])

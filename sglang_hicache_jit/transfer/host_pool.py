@@ -316,6 +316,15 @@ class HostKVPool:
         path = self._path(io_backend, "backup")
         self._check_index_pair(host_indices, device_indices)
         side = self._device_side(device_pool)
+        if path not in _KERNEL_PATHS and self.layout != "layer_first":
+            staging = self._staging(side)
+            if staging is not None and staging.backup(host_indices, device_indices):
+                self.last_direct_mode = "staged"
+                return
+            path = route.unstaged_backup_path(io_backend, pool_path=self.transfer_path, copy_bytes=self.copy_bytes,
+                                              direct_mode=self.direct_mode)
+            if path in _KERNEL_PATHS and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                path = "direct"  # the kernel's layer tables may be built on first use: a host copy, not capturable
         if path in _KERNEL_PATHS:
             from . import ops
 
@@ -323,10 +332,6 @@ class HostKVPool:
             ops.transfer_all_layer(self._host_layer_table(), self.translate_host_indices(host_indices),
                                    side.table(), device_indices, method=method, block_quota=quota)
             self.last_direct_mode = None
-            return
-        staging = self._staging(side)
-        if staging is not None and staging.backup(host_indices, device_indices):
-            self.last_direct_mode = "staged"
             return
         pairs = side.pairs.get(("backup",))
         if pairs is None:

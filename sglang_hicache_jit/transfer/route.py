@@ -180,6 +180,23 @@ def io_path(io_backend, operation: str, *, pool_path: str, copy_bytes: int, devi
     raise ValueError(f"Unsupported IO backend: {io_backend!r} (choose one of {', '.join(IO_BACKENDS)})")
 
 
+def unstaged_backup_path(io_backend, *, pool_path: str, copy_bytes: int, direct_mode: str = "auto") -> str:
+    """What a backup into a page-contiguous layout runs where staging does not take it (staging off or its
+    buffer too small, host slots in short runs, padding, page_first_direct slots that are not whole pages, a
+    graph capture): its rows would leave one copy per row (``page_first``) or per page of a layer, which the
+    copy engines move at 0.01-0.02 of the link for single 1152-B rows and 0.33-0.42 for 72 KiB
+    (tools/bench.py small-copies). So where the kernel works 'auto' takes it, as for layer_first
+    (LAYER_FIRST_BACKUP: 0.79-0.83 alone), and 'direct' takes it at SMALL_COPY_CTAS for copies under
+    SMALL_COPY_BYTES, as io_path does for layouts that never stage; else the copy engines ('direct')."""
+    if pool_path != "kernel":
+        return "direct"
+    if io_backend == "auto":
+        return LAYER_FIRST_BACKUP
+    if io_backend == "direct" and copy_bytes < SMALL_COPY_BYTES and direct_mode == "auto":
+        return "kernel-small"
+    return "direct"
+
+
 def hook_path(io_backend: str, row_bytes: int, *, before_probe=None) -> str:
     """What one layer copied by a hook on SGLang's pools runs: the kernel where ``io_backend`` asks for it and
     it works for the rows (outside a copy_engines_only() block), else the copy engines."""
