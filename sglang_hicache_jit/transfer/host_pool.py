@@ -316,7 +316,7 @@ class HostKVPool:
         path = self._path(io_backend, "backup")
         self._check_index_pair(host_indices, device_indices)
         side = self._device_side(device_pool)
-        if path not in _KERNEL_PATHS and self.layout != "layer_first":
+        if path not in _KERNEL_PATHS:  # layouts that never stage get from unstaged_backup_path what io_path gave
             staging = self._staging(side)
             if staging is not None and staging.backup(host_indices, device_indices):
                 self.last_direct_mode = "staged"
