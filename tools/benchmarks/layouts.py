@@ -101,6 +101,9 @@ def add_arguments(p, workload: str) -> None:
                    help="the same index tensors for every call (default: fresh copies per load or backup, as "
                         "SGLang makes them, so a plan kept per tensor serves one load's layers only)")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting new cells after this many seconds")
+    if not cta:
+        p.add_argument("--gather-blocks", type=int, default=None,
+                       help="CTAs of the staged backups' gather (transfer/staging.py's GATHER_BLOCKS) for the run")
     p.add_argument("--smoke", action="store_true",
                    help="CPU only, tiny sizes: runs every line and every bit-exact check; rates mean nothing")
 
@@ -336,6 +339,12 @@ def layer_times(bench: Bench, transfer, idx, fresh: bool, reps: int = 5) -> dict
 # --------------------------------------------------------------------------------------------------------
 
 def run(args, out, workload: str) -> int:
+    if getattr(args, "gather_blocks", None) is not None:
+        from sglang_hicache_jit.transfer import staging
+
+        if args.gather_blocks < 1:
+            raise SystemExit(f"--gather-blocks must be a positive number of CTAs, got {args.gather_blocks}")
+        staging.GATHER_BLOCKS = args.gather_blocks  # read at each gather, so every staging area of the run takes it
     bench = Bench(args)
     if workload == "layouts":
         providers = dict(parse_provider(text) for text in args.providers)
