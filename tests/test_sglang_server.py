@@ -533,7 +533,7 @@ def test_ttft_table_puts_the_pcie_floor_beside_each_mode():
                      "device_ms_upstream": 3.0, "cold_ms_upstream": None, "host_rounds_upstream": 5,
                      "host_ms_plugin": 20.0, "device_ms_plugin": 3.0, "cold_ms_plugin": None, "host_rounds_plugin": 5}]
     text = summary.markdown({"configurations": []}, rows)
-    assert "| 8192 | no | 10.47 | upstream (sgl-kernel) | None | 3.0 | 40.0 | 37.0 |" in text
+    assert "| 8192 | no | 10.47 | upstream (SGLang's own kernels) | None | 3.0 | 40.0 | 37.0 |" in text
     assert "| 8192 | no | 10.47 | plugin | None | 3.0 | 20.0 | 17.0 |" in text and "copy engines |" not in text
 
 

@@ -289,7 +289,7 @@ def _verdict(checks: dict, equal_modes: list) -> str:
     return "pass" if not problems else "fail: " + "; ".join(problems)
 
 
-MODE_NAMES = {"upstream": "upstream (sgl-kernel)", "plugin": "plugin", "plugin-nojit": "plugin, copy engines",
+MODE_NAMES = {"upstream": "upstream (SGLang's own kernels)", "plugin": "plugin", "plugin-nojit": "plugin, copy engines",
               "hicache-off": "HiCache off"}
 
 
