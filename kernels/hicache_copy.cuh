@@ -69,6 +69,26 @@ __device__ __forceinline__ void report(const HicacheTransfer& t, int word) {
   if (t.error_flags != nullptr) reinterpret_cast<volatile uint32_t*>(t.error_flags)[word] = 1;
 }
 
+// Whether a caller's pointer table (src_live/dst_live) differs from the checked copy the rows are
+// placed through. Every thread of the CTA must call it (a barrier); the answer is the CTA's. Without
+// live tables it returns false at once (a branch uniform across the grid).
+__device__ __forceinline__ bool tables_stale(const HicacheTransfer& t) {
+  if (!(t.src_live[0] || t.src_live[1] || t.dst_live[0] || t.dst_live[1])) return false;
+  const int layers = t.num_layers;
+  int stale = 0;
+  for (int i = threadIdx.x; i < 4 * layers; i += blockDim.x) {
+    const int which = i / layers, layer = i % layers;  // 0, 1: the source's caches; 2, 3: the destination's
+    const uint64_t* live = which < 2 ? t.src_live[which] : t.dst_live[which - 2];
+    const uint64_t* kept = which < 2 ? t.src_tables[which] : t.dst_tables[which - 2];
+    if (live != nullptr && kept != nullptr && (which & 1) < t.num_caches) {
+      stale |= *reinterpret_cast<const volatile uint64_t*>(live + layer) != kept[layer];
+    }
+  }
+  stale = __syncthreads_or(stale);
+  if (stale && threadIdx.x == 0) report(t, HICACHE_ERR_STALE_TABLE);
+  return stale != 0;
+}
+
 template <typename Index>
 __device__ __forceinline__ int64_t load_index(const void* indices, uint32_t i) {
   return static_cast<int64_t>(__ldg(static_cast<const Index*>(indices) + i));

@@ -349,8 +349,12 @@ extern "C" int hicache_resident_submit(HicacheResident* r, const HicacheTransfer
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (const cudaError_t err = cudaStreamIsCapturing(s, &capture)) return err;
-  // A graph replays what was captured, not a queue entry: capture an ordinary launch.
-  if (capture != cudaStreamCaptureStatusNone) return fall_back(r, t, stream, method_used);
+  // A graph replays what was captured, not a queue entry: capture an ordinary launch. Live pointer
+  // tables are compared by each CTA of an ordinary launch before it copies (tables_stale).
+  if (capture != cudaStreamCaptureStatusNone || t->src_live[0] || t->src_live[1] || t->dst_live[0] ||
+      t->dst_live[1]) {
+    return fall_back(r, t, stream, method_used);
+  }
   if (t->num_items > kMaxWork / work_per_item(*t, method) || vector_width(*t) != 16) {
     return fall_back(r, t, stream, method_used);
   }

@@ -30,12 +30,14 @@ namespace {
 
 template <typename Index, int kVec>
 __global__ void __launch_bounds__(kPlainThreads) copy_rows_plain(const KernelParams p) {
+  if (tables_stale(p.t)) return;
   plain_rows<Index, kVec>(p, blockIdx.x, gridDim.x);
 }
 
 template <typename Index>
 __global__ void __launch_bounds__(kBulkLanes * kBulkMaxWarps, 1) copy_rows_bulk(const KernelParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
+  if (tables_stale(p.t)) return;
   bulk_rows<Index>(p, blockIdx.x, gridDim.x, blockDim.x / kBulkLanes, smem);
 }
 

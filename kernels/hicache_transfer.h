@@ -52,6 +52,13 @@ typedef struct HicacheTransfer {
   // the kernel stores 1 into word HICACHE_ERR_* when that error occurs.
   uint32_t* error_flags;
   int32_t hints;  // HICACHE_HINT_* bits the caller knows (0: none)
+  // The caller's own pointer tables (device arrays of num_layers addresses) whose checked copies are
+  // src_tables/dst_tables, or NULL. Where any is set, every CTA first compares each with its copy; if
+  // one differs (the caller rewrote it where its checker could not see), the CTA copies nothing and
+  // word HICACHE_ERR_STALE_TABLE is set: no row moves through addresses nobody checked, nor through
+  // ones the caller no longer means.
+  const uint64_t* src_live[2];
+  const uint64_t* dst_live[2];
 } HicacheTransfer;
 
 enum {
@@ -75,6 +82,7 @@ enum {
   HICACHE_ERR_SRC_INDEX = 0,   // an index in indices_src was >= src_rows
   HICACHE_ERR_DST_INDEX = 1,   // an index in indices_dst was >= dst_rows
   HICACHE_ERR_MISALIGNED = 2,  // a row address was not 4-byte aligned
+  HICACHE_ERR_STALE_TABLE = 3,  // a caller's pointer table no longer held the checked addresses
   HICACHE_ERROR_WORDS = 4,
 };
 

@@ -12,7 +12,8 @@ HEADER = Path(__file__).resolve().parent.parent / "kernels" / "hicache_transfer.
 # C name of each ctypes field (the two-element arrays are two ctypes fields).
 C_NAMES = {"src_table0": "src_tables[0]", "src_table1": "src_tables[1]", "dst_table0": "dst_tables[0]",
            "dst_table1": "dst_tables[1]", "src_base0": "src_bases[0]", "src_base1": "src_bases[1]",
-           "dst_base0": "dst_bases[0]", "dst_base1": "dst_bases[1]"}
+           "dst_base0": "dst_bases[0]", "dst_base1": "dst_bases[1]", "src_live0": "src_live[0]",
+           "src_live1": "src_live[1]", "dst_live0": "dst_live[0]", "dst_live1": "dst_live[1]"}
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")

@@ -303,6 +303,39 @@ def test_the_kernel_gets_each_side_s_rows_and_the_checked_addresses(launches, mo
     assert len(launches.calls) == 1
 
 
+def test_the_kernel_gets_the_caller_s_cuda_tables_beside_its_checked_copies(launches):
+    """Before: the kernel got only its private copies of the checked addresses, so a caller's table rewritten
+    where torch could not see went on being ignored (rows copied where the caller no longer meant). Now it
+    also gets the caller's tables, to compare with those copies before it copies a row."""
+    dev, host = layers(160), layers(170)
+    register(dev, host)
+    src, dst = table([g.t for g in dev], cuda=True), table([g.t for g in host], cuda=True)
+    idx = fake_gpu.cuda(torch.tensor([0, 1]))
+    routed.transfer_kv_all_layer_mla(src, dst, idx, idx, 16, LAYERS)
+    call = launches.last
+    assert (call["src_live0"], call["dst_live0"]) == (src.data_ptr(), dst.data_ptr())
+    assert call["src_table0"] not in (src.data_ptr(), None) and call["dst_table0"] not in (dst.data_ptr(), None)
+    assert not call["src_live1"] and not call["dst_live1"]  # one cache: nothing there
+    routed.transfer_kv_all_layer_mla(src, dst, idx, idx, 16, LAYERS)  # a plan hit carries them too
+    assert (launches.last["src_live0"], launches.last["dst_live0"]) == (src.data_ptr(), dst.data_ptr())
+
+
+def test_a_stale_table_reported_by_the_kernel_raises_once_and_every_table_is_read_again(launches):
+    dev, host = layers(175), layers(185)
+    register(dev, host)
+    src, dst = table([g.t for g in dev], cuda=True), table([g.t for g in host], cuda=True)
+    idx = fake_gpu.cuda(torch.tensor([0]))
+    routed.transfer_kv_all_layer_mla(src, dst, idx, idx, 16, LAYERS)
+    first = launches.last["src_table0"]
+    launcher._states[0].error_view[3] = 1  # what the kernel stores when a CTA finds a table changed
+    with pytest.raises(TransferIndexError, match="pointer table was rewritten after it was checked.*"
+                                                 "write pointer tables with torch ops") as info:
+        routed.transfer_kv_all_layer_mla(src, dst, idx, idx, 16, LAYERS)
+    assert "STRICT" not in str(info.value)  # no index was wrong: strict mode would not have helped
+    routed.transfer_kv_all_layer_mla(src, dst, idx, idx, 16, LAYERS)
+    assert launches.last["src_table0"] != first  # read and checked again: a new private copy
+
+
 def test_a_cuda_table_is_read_again_when_torch_changes_it(launches):
     dev, other, host = layers(180), layers(190, rows=5), layers(200)
     register(dev, other, host)

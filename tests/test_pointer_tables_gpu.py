@@ -255,22 +255,40 @@ def test_a_host_pointer_table_rewritten_in_place_is_noticed():
         assert torch.equal(first[layer].whole, expected_firsts[layer])
 
 
-def test_a_cuda_table_rewritten_behind_torch_s_back_still_runs_its_checked_addresses():
-    """A write torch does not count (through .data) is not noticed, and cannot send the kernel elsewhere: it
-    reads its private copy of the addresses that were checked."""
+@pytest.mark.parametrize("method, to_host", [("plain", True), ("plain", False), ("bulk", False)])
+def test_a_cuda_table_rewritten_behind_torch_s_back_copies_nothing_and_raises(method, to_host):
+    """Before: a write torch does not count (through .data) went unnoticed, and the kernel went on copying
+    through its private copy of the old addresses: rows went where the caller no longer meant, silently. Now
+    each CTA compares the caller's table with that copy first: nothing is copied, the next op raises, and
+    the call after that reads the table again and copies through the new addresses."""
+    if method == "bulk" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the bulk method needs sm_90+ (this GPU has none)")
     dev, host, other = device_layers(230), host_layers(240), host_layers(250)
+    if not to_host:  # the host rows are the source: the destinations are device rows
+        dev, host, other = host_layers(230), device_layers(240), device_layers(250)
     register(dev, host, other)
     src, dst = table(dev), table(host)
-    idx = torch.tensor([3], device="cuda")
-    routed.transfer_kv_all_layer_mla(src, dst, idx, idx, ROW, LAYERS)
+
+    def copy(dst_row):
+        ops.transfer_pointer_tables(dst, torch.tensor([dst_row], device="cuda"), src,
+                                    torch.tensor([3], device="cuda"), dst_stride_bytes=ROW, src_stride_bytes=ROW,
+                                    element_size=ROW, method=method)
+    copy(3)
     dst.data.view(torch.int64).copy_(table(other).view(torch.int64))  # through .data: no version bump
-    routed.transfer_kv_all_layer_mla(src, dst, idx, torch.tensor([4], device="cuda"), ROW, LAYERS)
-    torch.cuda.synchronize()
+    copy(4)
+    with pytest.raises(TransferIndexError, match="pointer table was rewritten after it was checked"):
+        ops.check_errors()
     for layer in range(LAYERS):
-        expected = host[layer].expect()
-        expected[GUARD + 3] = expected[GUARD + 4] = dev[layer].t[3].cpu()
-        assert torch.equal(host[layer].whole, expected)
-        assert torch.equal(other[layer].whole, other[layer].before)
+        expected = host[layer].expect().cpu()
+        expected[GUARD + 3] = dev[layer].t[3].cpu()
+        assert torch.equal(host[layer].whole.cpu(), expected)  # row 4 of the old rows: not written
+        assert torch.equal(other[layer].whole.cpu(), other[layer].before.cpu())  # nor anything of the new ones
+    copy(5)  # the error made every table be read again: the new addresses are checked and used
+    ops.check_errors()
+    for layer in range(LAYERS):
+        expected = other[layer].expect().cpu()
+        expected[GUARD + 5] = dev[layer].t[3].cpu()
+        assert torch.equal(other[layer].whole.cpu(), expected)
 
 
 @pytest.mark.parametrize("bad", ["float", "nan", "uint64-2^63"])

@@ -31,6 +31,9 @@ _ERROR_MESSAGES = (
     "an index in indices_src was past the end of the source pool",
     "an index in indices_dst was past the end of the destination pool",
     "a row address was not 4-byte aligned",
+    "a CUDA pointer table was rewritten after it was checked, by a write torch could not see (through .data, "
+    "ctypes, DLPack or a CUDA graph), so nothing was copied through it; write pointer tables with torch ops, "
+    "or pass a new tensor",
 )
 
 _NO_ERRORS = bytes(4 * len(_ERROR_MESSAGES))
@@ -66,6 +69,8 @@ class _CTransfer(ctypes.Structure):
         ("num_blocks", ctypes.c_int32), ("method", ctypes.c_int32),
         ("bulk_warps", ctypes.c_int32), ("read_align", ctypes.c_int32),
         ("error_flags", ctypes.c_void_p), ("hints", ctypes.c_int32),
+        ("src_live0", ctypes.c_void_p), ("src_live1", ctypes.c_void_p),
+        ("dst_live0", ctypes.c_void_p), ("dst_live1", ctypes.c_void_p),
     ]
 
 

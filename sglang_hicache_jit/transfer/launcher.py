@@ -91,14 +91,19 @@ def _state(device: int) -> _DeviceState:
 
 def _raise_reported(state: _DeviceState) -> None:
     words = state.error_view
-    if words[0] | words[1] | words[2]:
+    if words[0] | words[1] | words[2] | words[3]:
         problems = [msg for i, msg in enumerate(_ERROR_MESSAGES) if words[i]]
+        indices = words[0] | words[1]
+        if words[3]:  # a table rewritten behind torch: forget every check, so the next call reads tables anew
+            from . import pointer_tables
+
+            pointer_tables.clear()
         for i in range(_ERROR_WORDS):
             words[i] = 0
         raise TransferIndexError(
             f"a transfer on cuda:{state.device} skipped rows: {'; '.join(problems)}. Those rows were "
-            "neither read nor written. (Reported by the first op on this device after the faulty one; "
-            f"set {settings.STRICT}=1 to check indices before each launch.)"
+            "neither read nor written. (Reported by the first op on this device after the faulty one"
+            + (f"; set {settings.STRICT}=1 to check indices before each launch.)" if indices else ".)")
         )
 
 

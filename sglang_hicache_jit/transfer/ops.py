@@ -272,7 +272,9 @@ def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *,
     dst_ptrs = [t.launch.data_ptr() for t in dst] + pad[len(dst):]
     src_ptrs = [t.launch.data_ptr() for t in src] + pad[len(src):]
     plan = _Plan(device, dst_bases=(0, 0), src_bases=(0, 0), dst_tables=tuple(dst_ptrs[:2]),
-                 src_tables=tuple(src_ptrs[:2]), num_layers=layers.pop(), dst_stride=dst_stride_bytes,
+                 src_tables=tuple(src_ptrs[:2]), dst_live=tuple([t.live for t in dst] + pad[len(dst):]),
+                 src_live=tuple([t.live for t in src] + pad[len(src):]), num_layers=layers.pop(),
+                 dst_stride=dst_stride_bytes,
                  src_stride=src_stride_bytes, row_bytes=element_size, dst_rows=rows_dst, src_rows=rows_src,
                  to_device=False, quota=quota, method=method)
     # The plan holds the addresses of the checked tables' private copies, which live as long as the

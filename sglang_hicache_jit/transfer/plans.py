@@ -84,7 +84,7 @@ class _Plan:
 
     def __init__(self, device: int, *, dst_bases, src_bases, dst_tables, src_tables, num_layers: int,
                  dst_stride: int, src_stride: int, row_bytes: int, dst_rows: int, src_rows: int, to_device: bool,
-                 quota: int, method, host_memory=(), to_host: bool = False):
+                 quota: int, method, host_memory=(), to_host: bool = False, dst_live=(0, 0), src_live=(0, 0)):
         if not _settings:
             reload_settings()
         method_code = _method_code(method, to_device)
@@ -108,7 +108,8 @@ class _Plan:
                                src_bases[1], dst_bases[0], dst_bases[1], num_caches, num_layers, 0, 0, 8, 0,
                                src_stride, dst_stride, row_bytes, src_rows, dst_rows, quota,
                                method_code & ~_RESIDENT, _tuning["bulk_warps"], _tuning["read_align"],
-                               state.error_flags_ptr, _HINT_DST_DEVICE if to_device else 0)
+                               state.error_flags_ptr, _HINT_DST_DEVICE if to_device else 0,
+                               src_live[0], src_live[1], dst_live[0], dst_live[1])
         self.method_used = ctypes.c_int(0)
         # Passed to the launcher as plain addresses (the plan owns both).
         self.spec_addr, self.method_used_addr = ctypes.addressof(self.spec), ctypes.addressof(self.method_used)

@@ -9,7 +9,12 @@ anything is copied (bounds.py's rule: ``0 <= index < rows``, a negative index is
 
 What runs is what was checked: the copy engines take the host copy of the addresses
 (``CheckedTable.addresses``), the kernel a private CUDA copy of them (``CheckedTable.launch``, made on the
-GPU from the caller's table before it was read), never the caller's table itself.
+GPU from the caller's table before it was read), never the caller's table itself. The kernel also gets
+the caller's CUDA table's address (``CheckedTable.live``) and compares it with the private copy before it
+copies a row: a table rewritten since it was checked makes the launch copy nothing and the next op raise
+TransferIndexError, rather than rows going where the caller no longer means. (A table freed while a
+launch that uses it is queued on another stream is the caller's race, as for its index tensors; at worst
+that memory, still torch's, reads differently and the launch copies nothing.)
 
 A table is checked again when its contents may have changed:
 
@@ -19,8 +24,8 @@ A table is checked again when its contents may have changed:
   thread must not pay on every call. It is read again when torch says its data may have changed: another
   tensor at that id, another data pointer, another version (every in-place torch op, ``set_()`` and
   ``resize_()`` bump it; an inference tensor has no version, so only the first two count). A write torch
-  cannot see (through ``.data``, ctypes, DLPack, a CUDA graph) is not noticed, and cannot send a copy
-  astray either: the kernel reads the private copy of the addresses that were checked;
+  cannot see (through ``.data``, ctypes, DLPack, a CUDA graph) is not noticed here; the kernel notices it
+  (the live comparison above), so it can neither send a copy astray nor be silently ignored;
 * any table, once the registry of allocations changed (``extents.Generation``).
 
 Tables this package builds from addresses it already holds (``build``, ``CheckedTable.shifted``) are
@@ -48,7 +53,7 @@ class CheckedTable:
     """One table's addresses, each found inside an allocation, and what a transfer launches with."""
 
     __slots__ = ("ref", "ptr", "count", "stride", "version", "raw", "addresses", "extents", "launch", "device",
-                 "generation", "_rows", "_shifted", "__weakref__")
+                 "generation", "_rows", "_shifted", "live", "__weakref__")
 
     def rows(self, stride: int, row_bytes: int, name: str) -> int:
         """Rows of ``row_bytes`` at ``stride`` bytes apart that every layer's allocation holds from the
@@ -142,6 +147,8 @@ def _check(table, name: str) -> CheckedTable:
         values = list(struct.unpack(f"={table.numel()}Q", raw))
     rec = _record(table, values, _extents_of(values, name, device), launch=launch, raw=raw, generation=generation)
     rec.version = version
+    if launch is not None:
+        rec.live = table.data_ptr()  # the kernel compares what is there with the private copy
     return _keep(rec)
 
 
@@ -174,6 +181,7 @@ def _record(table, values, found, *, launch, raw, generation) -> CheckedTable:
     rec.raw, rec.addresses, rec.extents, rec.launch = raw, tuple(values), tuple(found), launch
     rec.device = table.device.index if table.is_cuda else None
     rec.generation, rec._rows, rec._shifted = generation, {}, {}
+    rec.live = 0  # 0: the kernel's table is the one checked (this package built it)
     return rec
 
 
