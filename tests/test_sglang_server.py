@@ -778,6 +778,54 @@ def test_harness_traces_backups_and_the_gpu_span_of_loads_and_backups(monkeypatc
     assert 20.0 <= spans[0]["host_ms"] < 1000.0 and 10.0 <= spans[1]["host_ms"] < 1000.0
 
 
+def test_harness_times_the_forward_pass_that_consumes_a_load(monkeypatch, tmp_path):
+    """A load's start (SGLang's start_loading) and the extend pass that consumes it give one timeline line,
+    read only once the GPU passed the pass's end; a device hit's pass gets its GPU time alone; a decode
+    batch is passed through untouched."""
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("HICACHE_SERVER_TRACE", str(trace))
+    events = []
+
+    def event():
+        events.append(_FakeEvent())
+        return events[-1]
+
+    monkeypatch.setattr(harness_plugin, "_timeline", harness_plugin.Timeline())
+    monkeypatch.setattr(harness_plugin.Spans, "event", staticmethod(event))
+    _FakeEvent.clock[0] = 0.0
+
+    def start_loading(self):
+        _FakeEvent.clock[0] += 1.5  # the scheduler's stream moves on while the loads are issued
+        return 7
+
+    def forward(self, batch, *args, **kwargs):
+        _FakeEvent.clock[0] += 20.0
+        return ("out", args, kwargs)
+
+    def mode(extend):
+        return SimpleNamespace(is_extend=lambda: extend)
+
+    assert harness_plugin.start_loading_hook(start_loading, None) == 7
+    hit = SimpleNamespace(forward_mode=mode(True), hicache_consumer_index=7, extend_num_tokens=64,
+                          prefix_lens=[8192], reqs=[object()])
+    assert harness_plugin.forward_hook(forward, None, hit, 1, x=2) == ("out", (1,), {"x": 2})
+    decode = SimpleNamespace(forward_mode=mode(False), hicache_consumer_index=-1)
+    assert harness_plugin.forward_hook(forward, None, decode) == ("out", (), {})
+    assert len(events) == 3  # the load's, and the extend pass's two: none for the decode batch
+    assert not trace.exists() or '"timeline"' not in trace.read_text()  # its end has not passed yet
+    events[-1].done = True
+    device = SimpleNamespace(forward_mode=mode(True), hicache_consumer_index=-1, extend_num_tokens=64,
+                             prefix_lens=[8192], reqs=[object()])
+    harness_plugin.forward_hook(forward, None, device)
+    harness_plugin._timeline.flush(wait=True)
+    lines = [json.loads(line) for line in trace.read_text().splitlines() if '"timeline"' in line]
+    assert [(l["load"], l["forward_ms"], l.get("to_forward_ms"), l.get("to_end_ms")) for l in lines] == [
+        (True, 20.0, 1.5, 21.5), (False, 20.0, None, None)]
+    assert lines[0]["extend_tokens"] == 64 and lines[0]["prefix_tokens"] == 8192 and lines[0]["requests"] == 1
+    assert lines[0]["host_to_forward_ms"] >= 0 and lines[0]["start_loading_host_ms"] >= 0
+    assert harness_plugin._timeline.loads == {}  # the load was paired once
+
+
 @pytest.mark.parametrize("pool, device, expect", [
     (SimpleNamespace(_buffer_index_by_layer={3: 1}, device_kv_buffers=["a", "b"]), None, ["b"]),  # MLA 0.5.23
     (SimpleNamespace(device_k_buffers=["k0", "k1"], device_v_buffers=["v0", "v1"]), None, ["k1", "v1"]),  # MHA 0.5.23

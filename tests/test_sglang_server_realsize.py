@@ -178,3 +178,27 @@ def test_spans_give_each_transfer_its_time_and_rate_by_token_count():
     assert "| mha-8b | plugin | backup | 8192 | 3 | 27.0 | 39.77 | 0.5 | 1 | transfer_kv_all_layer_lf_pf 8256 |" in text
     assert "| mha-8b | plugin | load | 8192 | 1 | 20.0 | 53.69 | - | - | - |" in text
     assert "| backup | 64 |" not in text  # a page of a suffix is left out of the table
+
+
+def test_the_timeline_splits_host_hits_device_hits_and_misses_by_prefix():
+    record = _record("plugin")
+    record["_trace"] = [
+        {"event": "timeline", "load": True, "extend_tokens": 64, "prefix_tokens": 8192, "forward_ms": 30.0,
+         "to_forward_ms": 1.0, "to_end_ms": 31.0, "host_to_forward_ms": 2.0},
+        {"event": "timeline", "load": True, "extend_tokens": 64, "prefix_tokens": 8192, "forward_ms": 34.0,
+         "to_forward_ms": 3.0, "to_end_ms": 37.0, "host_to_forward_ms": 4.0},
+        {"event": "timeline", "load": True, "extend_tokens": 64, "prefix_tokens": 8128, "forward_ms": 28.0,
+         "to_forward_ms": 1.5, "to_end_ms": 29.5, "host_to_forward_ms": 2.5},
+        {"event": "timeline", "load": False, "extend_tokens": 64, "prefix_tokens": 8192, "forward_ms": 9.0},
+        {"event": "timeline", "load": False, "extend_tokens": 8256, "prefix_tokens": 0, "forward_ms": 250.0},
+        {"event": "timeline", "load": False, "extend_tokens": 8192, "prefix_tokens": 8192, "forward_ms": 260.0},
+        {"event": "timeline", "load": False, "extend_tokens": 64, "prefix_tokens": 64, "forward_ms": 5.0}]
+    rows = summary.forward_timeline(record)
+    assert [(r["kind"], r["prefix"], r["n"]) for r in rows] == [
+        ("host hit", 8128, 1), ("host hit", 8192, 2), ("device hit", 8192, 1), ("miss", 8192, 1)]
+    assert rows[1] == {"kind": "host hit", "prefix": 8192, "n": 2, "forward_ms": 32.0, "to_forward_ms": 2.0,
+                       "to_end_ms": 34.0, "host_to_forward_ms": 3.0}
+    assert rows[2]["to_forward_ms"] is None  # no load: nothing to measure from
+    text = summary.realsize_markdown(summary.realsize_tables([record], h2d_gbps=50.0))
+    assert "| mha-8b | plugin | host hit | 8192 | 2 | 32.0 | 2.0 | 34.0 | 3.0 |" in text
+    assert "| mha-8b | plugin | device hit | 8192 | 1 | 9.0 | - | - | - |" in text

@@ -21,7 +21,9 @@ PYTHONPATH, SGLang's own ``load_plugins()`` runs ``register`` in each of its pro
   run shows that load-back happened, and that the package (not sgl-kernel or SGLang's JIT kernel)
   moved the rows: the judge (``summary.py``) compares the ops' tokens with the host-hit tokens.
   Each all-layer backup gets a line too (``backup``: tokens and ops), and each load and backup a ``span``
-  line: its GPU time on the stream it ran on, from CUDA events read without waiting (``Spans``).
+  line: its GPU time on the stream it ran on, from CUDA events read without waiting (``Spans``). Each
+  extend batch's forward pass gets a ``timeline`` line: its GPU time, and for a pass that consumes a
+  load, the time from SGLang starting that load to the pass's start and end (``Timeline``).
 
 How the ops are counted: once the first host pool is built (SGLang has applied every plugin's hooks
 by then), every function of ``sglang_hicache_jit.integrations.sglang.ops`` bound by name in a loaded
@@ -46,6 +48,8 @@ ENTRY = "server_harness"
 _WEIGHTS = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
 _POOLS = ("sglang.srt.mem_cache.pool_host.mla.MLATokenToKVPoolHost",
           "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost")
+_START_LOADING = "sglang.srt.managers.cache_controller.HiCacheController.start_loading"
+_FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 _lock = threading.Lock()  # the trace file
 _span_lock = threading.Lock()  # Spans' state (never held while tracing)
 
@@ -276,6 +280,90 @@ def backup_hook(original, self, device_pool, host_indices, device_indices, io_ba
     return result
 
 
+class Timeline:
+    """Where a host hit's time goes: the GPU time from SGLang's controller starting a load to the forward pass
+    that consumes it, and that pass's own time, beside the device hits' passes. So a host hit slower than
+    its loads explain (issue 36) shows whether the time goes before the pass (the scheduler, the streams'
+    order), inside it (waiting for layers, or kernels slowed beside the loads) or neither.
+
+    ``start_loading_hook`` (AROUND ``HiCacheController.start_loading``) records an event on the scheduler's
+    current stream as the load starts, and the scheduler's time in the call; ``forward_hook`` (AROUND
+    ``TpModelWorker.forward_batch_generation``) records events before and after an extend batch's forward
+    call on the current stream. A pass whose batch consumes a load (``hicache_consumer_index``, the id
+    start_loading returned) is paired with it. Each pass gets one ``timeline`` trace line once the GPU has
+    passed its end (read without waiting, as Spans): ``forward_ms`` (the pass, call to end), and for a pass
+    with a load ``to_forward_ms`` (load start to the pass's start), ``to_end_ms`` (load start to the pass's
+    end), ``host_to_forward_ms`` (scheduler's time, load start to the forward call) and
+    ``start_loading_host_ms``. Decode batches are left out (they are many, and no load feeds them)."""
+
+    def __init__(self):
+        self.loads = {}  # producer id -> (event, perf_counter at start, host ms of start_loading)
+        self.pending = []  # [(record, load event or None, forward start event, forward end event)]
+
+    def flush(self, wait: bool) -> None:
+        done = []
+        with _span_lock:
+            keep = []
+            for what, load, start, end in self.pending:
+                try:
+                    if not wait and not end.query():
+                        keep.append((what, load, start, end))
+                        continue
+                    end.synchronize()
+                    record = dict(what, event="timeline", forward_ms=round(start.elapsed_time(end), 4))
+                    if load is not None:
+                        record.update(to_forward_ms=round(load.elapsed_time(start), 4),
+                                      to_end_ms=round(load.elapsed_time(end), 4))
+                    done.append(record)
+                except Exception:  # noqa: BLE001 - timing is an extra
+                    continue
+            self.pending = keep
+        for record in done:
+            trace(record)
+
+
+_timeline = Timeline()
+
+
+def start_loading_hook(original, self, *args, **kwargs):
+    event, began = Spans.event(), time.perf_counter()
+    producer = original(self, *args, **kwargs)
+    if isinstance(producer, int) and producer >= 0 and event is not None:
+        with _span_lock:
+            if len(_timeline.loads) > 64:  # a load no pass consumed (e.g. an aborted request): never grows
+                _timeline.loads.clear()
+            _timeline.loads[producer] = (event, began, round((time.perf_counter() - began) * 1e3, 4))
+    return producer
+
+
+def forward_hook(original, self, batch=None, *args, **kwargs):
+    mode = getattr(batch, "forward_mode", None)
+    try:
+        extend = bool(mode is not None and mode.is_extend())
+    except Exception:  # noqa: BLE001 - a release without is_extend: nothing traced
+        extend = False
+    if not extend:
+        return original(self, batch, *args, **kwargs)
+    consumer = getattr(batch, "hicache_consumer_index", -1)
+    with _span_lock:
+        load = _timeline.loads.pop(consumer, None) if isinstance(consumer, int) and consumer >= 0 else None
+    called = time.perf_counter()
+    start = Spans.event()
+    result = original(self, batch, *args, **kwargs)
+    end = Spans.event()
+    if start is not None and end is not None:
+        what = {"of": "forward", "load": load is not None,
+                "extend_tokens": int(getattr(batch, "extend_num_tokens", 0) or 0),
+                "prefix_tokens": int(sum(getattr(batch, "prefix_lens", None) or [])),
+                "requests": len(getattr(batch, "reqs", None) or [])}
+        if load is not None:
+            what.update(host_to_forward_ms=round((called - load[1]) * 1e3, 4), start_loading_host_ms=load[2])
+        with _span_lock:
+            _timeline.pending.append((what, None if load is None else load[0], start, end))
+    _timeline.flush(wait=False)
+    return result
+
+
 def pool_built(result, self, *args, **kwargs):
     """AFTER the pool's __init__: what was built, and what this package's plugin did in this process."""
     try:
@@ -325,7 +413,10 @@ def register() -> None:
         HookRegistry.register(f"{pool}.load_to_device_per_layer", load_hook, HookType.AROUND)
         HookRegistry.register(f"{pool}.backup_from_device_all_layer", backup_hook, HookType.AROUND)
         HookRegistry.register(f"{pool}.__init__", pool_built, HookType.AFTER)
+    HookRegistry.register(_START_LOADING, start_loading_hook, HookType.AROUND)
+    HookRegistry.register(_FORWARD, forward_hook, HookType.AROUND)
     trace({"event": "registered", "corrupt": os.environ.get("HICACHE_SERVER_CORRUPT", "")})
     import atexit
 
     atexit.register(lambda: _spans.flush(wait=True))
+    atexit.register(lambda: _timeline.flush(wait=True))

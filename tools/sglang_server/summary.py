@@ -167,6 +167,36 @@ def transfer_spans(record: dict, token_bytes: int) -> dict:
     return out
 
 
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def forward_timeline(record: dict) -> list:
+    """The harness's ``timeline`` lines (harness_plugin.Timeline) as rows of medians: per kind of extend pass,
+    ``host hit`` (it consumed a load), ``device hit`` (no load, few new tokens) and ``miss`` (at least 1024
+    new tokens, no load), by prefix tokens (rounded to a page of 64): n, the pass's GPU ms, and for host
+    hits the GPU ms from the load's start to the pass's start and end, and the scheduler's ms from the
+    load's start to the forward call."""
+    groups: dict = {}
+    for e in record.get("_trace", []):
+        if e.get("event") != "timeline" or e.get("forward_ms") is None:
+            continue
+        kind = "host hit" if e.get("load") else ("miss" if int(e.get("extend_tokens", 0)) >= 1024 else "device hit")
+        prefix = int(e.get("prefix_tokens", 0)) // 64 * 64
+        groups.setdefault((kind, prefix), []).append(e)
+
+    def median(rows, key):
+        values = [float(r[key]) for r in rows if r.get(key) is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    order = {"host hit": 0, "device hit": 1, "miss": 2}
+    return [{"kind": kind, "prefix": prefix, "n": len(rows), "forward_ms": median(rows, "forward_ms"),
+             "to_forward_ms": median(rows, "to_forward_ms"), "to_end_ms": median(rows, "to_end_ms"),
+             "host_to_forward_ms": median(rows, "host_to_forward_ms")}
+            for (kind, prefix), rows in sorted(groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1]))
+            if prefix >= 1024]  # the measured prefixes; a request of a few pages says little
+
+
 def _package_ok(mode: str, ops: dict) -> bool:
     if mode in PLUGIN_MODES:
         return ops["loads"] > 0 and ops["short"] == 0 and ops["moved"] >= ops["host_hit_tokens"] > 0
@@ -375,7 +405,7 @@ def realsize_tables(records: list, h2d_gbps: float | None) -> dict:
                         "start_s": r.get("engine_start_s"), "workload_s": r.get("workload_s"),
                         "cut": r.get("ttft_cut") or r.get("tpot_cut"), "effective": r.get("effective"),
                         "dropped_args": r.get("dropped_args"), "package_ops": package_ops(r),
-                        "spans": transfer_spans(r, token_bytes)})
+                        "spans": transfer_spans(r, token_bytes), "timeline": forward_timeline(r)})
         rows = r.get("ttft", [])
         for key in sorted({(x["length"], x["background"]) for x in rows}):
             sel = [x for x in rows if (x["length"], x["background"]) == key]
@@ -433,6 +463,15 @@ def realsize_markdown(tables: dict) -> str:
                                  f"{'-' if row.get('host_ms') is None else row['host_ms']} | "
                                  f"{'-' if row.get('held') is None else row['held']} | "
                                  f"{ops if kind == 'backup' else '-'} |")
+    lines += ["", "## Where a hit's time goes (harness timeline: GPU ms, medians; load start = SGLang's "
+              "start_loading)", "",
+              "| model | mode | pass | prefix | n | pass's GPU ms | load start to pass start | load start to pass end | "
+              "scheduler's ms, load start to forward call |", "|---|---|---|---|---|---|---|---|---|"]
+    for e in tables.get("engines", []):
+        for row in e.get("timeline") or []:
+            lines.append(f"| {e['model']} | {MODE_NAMES.get(e['mode'], e['mode'])} | {row['kind']} | {row['prefix']} | "
+                         f"{row['n']} | {row['forward_ms']} | {_dash(row['to_forward_ms'])} | "
+                         f"{_dash(row['to_end_ms'])} | {_dash(row['host_to_forward_ms'])} |")
     lines += ["", f"## Real-size TTFT (ms: median [min-max] n=rounds), PCIe floor at {tables['h2d_gbps']} GB/s "
              "(contiguous pinned H2D, same call)", "",
              "| model | mode | prefix | beside decoding | miss | device hit | device hit after a miss | "
