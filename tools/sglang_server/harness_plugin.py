@@ -209,21 +209,27 @@ class Spans:
 
     def flush(self, wait: bool) -> None:
         """Traces the spans whose end the GPU has passed (every one, waiting for it, with ``wait``)."""
-        done = []
-        with _span_lock:
-            keep = []
-            for what, start, end in self.pending:
-                try:
-                    if not wait and not end.query():
-                        keep.append((what, start, end))
-                        continue
-                    end.synchronize()
-                    done.append(dict(what, event="span", ms=round(start.elapsed_time(end), 4)))
-                except Exception:  # noqa: BLE001 - timing is an extra
+        _drain(self, wait, lambda what, start, end: dict(what, event="span", ms=round(start.elapsed_time(end), 4)))
+
+
+def _drain(owner, wait: bool, make) -> None:
+    """Traces ``make(*item)`` for each item of ``owner.pending`` (a tuple whose last member is its end event)
+    that the GPU has passed (every one, waiting for it, with ``wait``), and keeps the others pending."""
+    done = []
+    with _span_lock:
+        keep = []
+        for item in owner.pending:
+            try:
+                if not wait and not item[-1].query():
+                    keep.append(item)
                     continue
-            self.pending = keep
-        for record in done:
-            trace(record)
+                item[-1].synchronize()
+                done.append(make(*item))
+            except Exception:  # noqa: BLE001 - timing is an extra
+                continue
+        owner.pending = keep
+    for record in done:
+        trace(record)
 
 
 _spans = Spans()
@@ -301,25 +307,14 @@ class Timeline:
         self.pending = []  # [(record, load event or None, forward start event, forward end event)]
 
     def flush(self, wait: bool) -> None:
-        done = []
-        with _span_lock:
-            keep = []
-            for what, load, start, end in self.pending:
-                try:
-                    if not wait and not end.query():
-                        keep.append((what, load, start, end))
-                        continue
-                    end.synchronize()
-                    record = dict(what, event="timeline", forward_ms=round(start.elapsed_time(end), 4))
-                    if load is not None:
-                        record.update(to_forward_ms=round(load.elapsed_time(start), 4),
-                                      to_end_ms=round(load.elapsed_time(end), 4))
-                    done.append(record)
-                except Exception:  # noqa: BLE001 - timing is an extra
-                    continue
-            self.pending = keep
-        for record in done:
-            trace(record)
+        _drain(self, wait, self._record)
+
+    @staticmethod
+    def _record(what: dict, load, start, end) -> dict:
+        record = dict(what, event="timeline", forward_ms=round(start.elapsed_time(end), 4))
+        if load is not None:
+            record.update(to_forward_ms=round(load.elapsed_time(start), 4), to_end_ms=round(load.elapsed_time(end), 4))
+        return record
 
 
 _timeline = Timeline()
