@@ -66,13 +66,13 @@ def test_the_device_script_runs_only_commands_that_parse(bench, tmp_path):
     """Every tools/bench.py command tools/gpu_bench.sh would run (DRY=1 prints them) is accepted as written."""
     if not shutil.which("bash"):
         pytest.skip("no bash")
-    env = dict(os.environ, DRY="1", OUT=str(tmp_path), STEPS="build tests layouts cta grid sglang")
+    env = dict(os.environ, DRY="1", OUT=str(tmp_path), STEPS="build tests layouts cta layered grid sglang")
     out = subprocess.run(["bash", str(ROOT / "tools" / "gpu_bench.sh")], env=env, capture_output=True, text=True,
                          cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
     commands = [line.split("tools/bench.py", 1)[1].split() for line in out.stdout.splitlines()
                 if "tools/bench.py" in line and not line.startswith("==")]
-    assert {c[0] for c in commands} == {"layouts", "cta", "grid", "releases", "sglang-pool"}
+    assert {c[0] for c in commands} == {"layouts", "cta", "layered", "grid", "releases", "sglang-pool"}
     for argv in commands:
         bench._parser().parse_args(argv)
     assert "python3 -m pytest -q -m gpu" in out.stdout
