@@ -269,12 +269,13 @@ def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *,
         raise ValueError(f"every pointer table must have the same number of layers, got {sorted(layers)}")
     device = devices.pop()
     pad = [0, 0]
-    dst_ptrs = [t.launch.data_ptr() for t in dst] + pad[len(dst):]
-    src_ptrs = [t.launch.data_ptr() for t in src] + pad[len(src):]
-    plan = _Plan(device, dst_bases=(0, 0), src_bases=(0, 0), dst_tables=tuple(dst_ptrs[:2]),
-                 src_tables=tuple(src_ptrs[:2]), dst_live=tuple([t.live for t in dst] + pad[len(dst):]),
-                 src_live=tuple([t.live for t in src] + pad[len(src):]), num_layers=layers.pop(),
-                 dst_stride=dst_stride_bytes,
+    # The kernel copies through the checked copies (launch) and first compares the caller's tables (live).
+    dst_ptrs = tuple([t.launch.data_ptr() for t in dst] + pad[len(dst):])
+    src_ptrs = tuple([t.launch.data_ptr() for t in src] + pad[len(src):])
+    dst_live = tuple([t.live for t in dst] + pad[len(dst):])
+    src_live = tuple([t.live for t in src] + pad[len(src):])
+    plan = _Plan(device, dst_bases=(0, 0), src_bases=(0, 0), dst_tables=dst_ptrs, src_tables=src_ptrs,
+                 dst_live=dst_live, src_live=src_live, num_layers=layers.pop(), dst_stride=dst_stride_bytes,
                  src_stride=src_stride_bytes, row_bytes=element_size, dst_rows=rows_dst, src_rows=rows_src,
                  to_device=False, quota=quota, method=method)
     # The plan holds the addresses of the checked tables' private copies, which live as long as the

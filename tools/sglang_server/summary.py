@@ -460,8 +460,7 @@ def realsize_markdown(tables: dict) -> str:
                 if int(tokens) >= 1024:  # the prefixes and chunks; a page of a short suffix says little
                     lines.append(f"| {e['model']} | {MODE_NAMES.get(e['mode'], e['mode'])} | {kind} | {tokens} | "
                                  f"{row['n']} | {row['ms']} | {row['gbps']} | "
-                                 f"{'-' if row.get('host_ms') is None else row['host_ms']} | "
-                                 f"{'-' if row.get('held') is None else row['held']} | "
+                                 f"{_dash(row.get('host_ms'))} | {_dash(row.get('held'))} | "
                                  f"{ops if kind == 'backup' else '-'} |")
     lines += ["", "## Where a hit's time goes (harness timeline: GPU ms, medians; load start = SGLang's "
               "start_loading)", "",
