@@ -41,6 +41,7 @@ import weakref
 import torch
 
 from ..transfer import bounds, extents, ops, pointer_tables
+from ..transfer import layout as host_layout
 from ..transfer.probe import probe
 
 log = logging.getLogger("sglang_hicache_jit.compat")  # its name from before the move to a subpackage (issue 20)
@@ -250,8 +251,8 @@ def host_layer_table(buffer: torch.Tensor, num_layers: int, row_bytes: int, devi
     hit = _host_tables.get(_table_key(buffer, root, (num_layers, row_bytes), device))
     if hit is not None and hit[0]() is root:  # the hit, inline: a backup's hot path
         return hit[1]
-    return _buffer_table(buffer, (num_layers, row_bytes), lambda: [layer * row_bytes for layer in range(num_layers)],
-                         device)
+    return _buffer_table(buffer, (num_layers, row_bytes),
+                         lambda: host_layout.layer_offsets("page_first", layers=num_layers, row_bytes=row_bytes), device)
 
 
 def _root(buffer: torch.Tensor) -> torch.Tensor:
@@ -466,8 +467,9 @@ def transfer_hicache_one_layer_mla_page_unified_lf(
     if not isinstance(cache_dst, torch.Tensor):
         raise TypeError(f"cache_dst must be a torch.Tensor, got {type(cache_dst).__name__}")
     flat = src.view(-1, dim)
-    host_rows = bounds.token_rows("src_indices", src_indices, page_size=page_size, page_rows=layers * page_size,
-                                  slots=src.shape[0] * page_size)
+    to_rows = host_layout.token_rows("page_first_direct", layers=layers, page_size=page_size,
+                                     slots=src.shape[0] * page_size, name="src_indices")
+    host_rows = src_indices if to_rows is None else to_rows(src_indices)
     ops.transfer_one_layer_mla(cache_dst.view(cache_dst.shape[0], -1), dst_indices, flat[layer_id * page_size:],
                                host_rows, block_quota=block_quota)
 
@@ -552,7 +554,8 @@ def transfer_hicache_all_layer_mla_staged_lf_page_unified(
     row_bytes = dim * dst.element_size()
     device = ptr_src.device
     table = _buffer_table(dst, ("page_unified mla", layers, page_size, row_bytes),
-                          lambda: [layer * page_size * row_bytes for layer in range(layers)], device)
+                          lambda: host_layout.layer_offsets("page_first_direct", layers=layers, row_bytes=row_bytes,
+                                                            page_size=page_size), device)
     rows_per_page = layers * page_size
     dst_rows = page_unified_rows(dst_pages, page_size, rows_per_page, dst.shape[0], name="dst_pages").to(device)
     ops.transfer_pointer_tables(table, dst_rows, ptr_src, page_unified_rows(src_pages.to(device), page_size, page_size),

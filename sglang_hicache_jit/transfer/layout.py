@@ -87,6 +87,14 @@ def token_rows(layout: str, *, layers: int, page_size: int, slots: int, name: st
     return TokenRows(page_size, layers * page_size, slots, name, 1, pool)
 
 
+def layer_offsets(layout: str, *, layers: int, row_bytes: int, page_size: int = 1, slots: int = 0) -> list:
+    """The byte offset of each layer's first row from the buffer's start (rows of ``row_bytes``): the
+    per-layer address tables of the all-layer ops are the buffer's address plus these."""
+    step = {"layer_first": slots * row_bytes, "page_first": row_bytes,
+            "page_first_direct": page_size * row_bytes}[check_layout(layout)]
+    return [layer * step for layer in range(layers)]
+
+
 def token_index(layout: str, layer: int, tokens: torch.Tensor, page_size: int) -> tuple:
     """The index of layer ``layer``'s rows at ``tokens`` in the buffer's own shape: ``buffer[token_index(...)]``
     reads them, ``buffer[token_index(...)] = rows`` writes them (benchmarks checking their copies)."""
