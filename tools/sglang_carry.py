@@ -104,6 +104,9 @@ def trimmed_tree(version: str, python: str, cache: Path, relative: list) -> byte
     wheel = cache / name
     if not wheel.exists() or release_kit.sha256(wheel) != digest:
         download(f"sglang=={version}", cache, python)
+    if not wheel.exists():  # pip took a wheel of another platform tag: its sha256 is recorded nowhere
+        raise SystemExit(f"pip download sglang=={version} did not write the recorded wheel {name} (sha256 {digest}) "
+                         f"in {cache}; no other wheel is taken")
     if release_kit.sha256(wheel) != digest:
         raise SystemExit(f"{wheel}: sha256 differs from the recorded one")
     keep_dirs = {os.path.dirname(r) for r in relative}
@@ -187,15 +190,20 @@ def main() -> int:
         return 0
     for old in args.out.glob("*.whl"):
         old.unlink()
-    for name in carried:
-        try:
-            download(f"{name}=={metadata.version(name)}", args.out, args.python)
-        except subprocess.CalledProcessError:  # no wheel of that version for the target Python: its newest
-            print(f"{name} {metadata.version(name)} has no wheel for Python {args.python}; taking the newest")
-            download(name, args.out, args.python)
-    recorded = carry.recorded_wheels(args.releases[0])
-    for wheel in args.out.glob("*.whl"):  # every wheel against its recorded sha256, or the carry stops
-        carry.checked(wheel, recorded)
+    try:
+        for name in carried:
+            try:
+                download(f"{name}=={metadata.version(name)}", args.out, args.python)
+            except subprocess.CalledProcessError:  # no wheel of that version for the target Python: its newest
+                print(f"{name} {metadata.version(name)} has no wheel for Python {args.python}; taking the newest")
+                download(name, args.out, args.python)
+        recorded = carry.recorded_wheels(args.releases[0])
+        for wheel in args.out.glob("*.whl"):  # every wheel against its recorded sha256, or the carry stops
+            carry.checked(wheel, recorded)
+    except BaseException:  # and leaves no wheel where tools/gpu_carry.sh would install it unchecked
+        for wheel in args.out.glob("*.whl"):
+            wheel.unlink()
+        raise
     size = sum(p.stat().st_size for p in args.out.iterdir())
     (args.out / "carry.json").write_text(json.dumps({"python": args.python, "releases": trees, "wheels": sorted(
         p.name for p in args.out.glob("*.whl"))}, indent=1) + "\n")
