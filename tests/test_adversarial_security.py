@@ -300,6 +300,7 @@ def test_h1_the_toolchain_checks_run_nvcc_with_a_private_tmpdir(monkeypatch):
 
     monkeypatch.setattr(toolchain.subprocess, "run", run)
     monkeypatch.setenv("TMPDIR", "/tmp")
+    monkeypatch.setattr("tempfile.tempdir", None)  # read $TMPDIR again: a run under another TMPDIR cached it
     toolchain._run(["nvcc", "--version"])
     toolchain._run(["nvcc", "--version"])
     (first, mode, tmp, temp), (second, *_) = seen
