@@ -4,6 +4,7 @@ address tables and the token -> row map of page_first_direct, for every layout (
 import pytest
 import torch
 
+from sglang_hicache_jit.errors import TransferIndexError
 from sglang_hicache_jit.transfer import layout
 
 
@@ -32,6 +33,10 @@ def test_page_first_direct_token_rows_match_the_buffer():
         flat = layout.layer_rows(buf, "page_first_direct", layer)
         want = torch.stack([buf[t // page, layer, t % page] for t in tokens.tolist()])  # the reference
         assert torch.equal(flat[to_rows(tokens)], want)
-    # one layer, and the layouts without a map: tokens are rows
+    # one layer, and the layouts without a map: tokens are rows; the map itself still bounds them
     assert layout.token_rows("page_first_direct", layers=1, page_size=page, slots=8) is None
+    one = layout.page_first_direct_map(layers=1, page_size=page, slots=8, name="src_indices")
+    assert one(torch.arange(8)).tolist() == list(range(8))
+    with pytest.raises(TransferIndexError, match="src_indices"):
+        one(torch.tensor([8]))
     assert layout.token_rows("page_first", layers=layers, page_size=page, slots=8) is None

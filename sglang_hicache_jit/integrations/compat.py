@@ -467,9 +467,8 @@ def transfer_hicache_one_layer_mla_page_unified_lf(
     if not isinstance(cache_dst, torch.Tensor):
         raise TypeError(f"cache_dst must be a torch.Tensor, got {type(cache_dst).__name__}")
     flat = src.view(-1, dim)
-    to_rows = host_layout.token_rows("page_first_direct", layers=layers, page_size=page_size,
-                                     slots=src.shape[0] * page_size, name="src_indices")
-    host_rows = src_indices if to_rows is None else to_rows(src_indices)
+    host_rows = host_layout.page_first_direct_map(layers=layers, page_size=page_size, slots=src.shape[0] * page_size,
+                                                  name="src_indices")(src_indices)
     ops.transfer_one_layer_mla(cache_dst.view(cache_dst.shape[0], -1), dst_indices, flat[layer_id * page_size:],
                                host_rows, block_quota=block_quota)
 

@@ -84,6 +84,13 @@ def token_rows(layout: str, *, layers: int, page_size: int, slots: int, name: st
     (layer_first, page_first, and page_first_direct of one layer)."""
     if layout != "page_first_direct" or layers == 1:
         return None
+    return page_first_direct_map(layers=layers, page_size=page_size, slots=slots, name=name, pool=pool)
+
+
+def page_first_direct_map(*, layers: int, page_size: int, slots: int, name: str = "host_indices",
+                          pool: str = "the host pool") -> TokenRows:
+    """page_first_direct's token -> row map of ``layer_rows``' view, one layer included (where a caller
+    bounds its tokens by ``slots`` through the map)."""
     return TokenRows(page_size, layers * page_size, slots, name, 1, pool)
 
 

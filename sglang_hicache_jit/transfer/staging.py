@@ -33,7 +33,7 @@ import torch
 from . import direct
 from ..errors import TransferIndexError
 from .bounds import PAST_THE_END
-from .layout import token_rows
+from .layout import page_first_direct_map
 
 # Host slots must come in runs of at least this many tokens on average for staging to pay: each run is one
 # flat copy of run x layers x row bytes, and the copy engines' fixed cost per copy (0.3-0.8 us in a batch)
@@ -241,9 +241,8 @@ def staged_rows(tokens: int, page: int, layers: int) -> torch.Tensor:
     """Where each of ``tokens`` staged tokens sits in a layer's flat rows of a staging buffer whose blocks are
     ``page`` tokens of ``layers`` layers, as in a page_first_direct host buffer: layout.TokenRows' map
     ``(t // page) * layers * page + t % page`` (int64, CPU)."""
-    staged = torch.arange(tokens, dtype=torch.int64)
-    to_rows = token_rows("page_first_direct", layers=layers, page_size=page, slots=tokens, name="staged tokens")
-    return staged if to_rows is None else to_rows(staged, checked=True)
+    to_rows = page_first_direct_map(layers=layers, page_size=page, slots=tokens, name="staged tokens")
+    return to_rows(torch.arange(tokens, dtype=torch.int64), checked=True)
 
 
 # ---------------------------------------------------------------------------

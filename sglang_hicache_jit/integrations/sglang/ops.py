@@ -722,8 +722,8 @@ def page_first_direct_rows(buffer: torch.Tensor, layer_id: int, name: str = "buf
     # In range: layer L would view the next page's layer 0.
     layer_id = bounds.check_layer(layer_id, layers, pool=f"{name} (a page_first_direct buffer)")
     rows = host_layout.layer_rows(buffer, "page_first_direct", layer_id)
-    to_rows = host_layout.token_rows("page_first_direct", layers=layers, page_size=page_size, slots=pages * page_size,
-                                     name=tokens_name)
+    to_rows = host_layout.page_first_direct_map(layers=layers, page_size=page_size, slots=pages * page_size,
+                                                name=tokens_name)
     return rows.view(rows.shape[0], -1), to_rows, page_size
 
 
