@@ -716,6 +716,25 @@ def test_harness_counts_the_package_ops_a_load_calls(monkeypatch, tmp_path):
     assert second["ops"] == {} and second["layer"] == 1  # upstream's op moved these rows
 
 
+def test_harness_counts_destination_indices_passed_by_position_or_by_keyword():
+    """The counter finds each op's destination index parameter once (binding every call to the signature cost
+    the plugin's engines about 6 us a call), and must count it however the call passes it."""
+    from sglang_hicache_jit.integrations.sglang import ops as routed
+
+    torch = pytest.importorskip("torch")
+    idx = torch.arange(5)
+    kernel = harness_plugin._destination(routed.transfer_kv_per_layer_mla)  # (src, dst, src_indices, dst_indices, ...)
+    assert kernel == ("dst_indices", 3)
+    assert harness_plugin._tokens(kernel, (None, None, idx[:2], idx), {}) == 5
+    assert harness_plugin._tokens(kernel, (None, None), {"src_indices": idx[:2], "dst_indices": idx[:4]}) == 4
+    jit = harness_plugin._destination(routed.transfer_hicache_one_layer)  # (k_dst, v_dst, indices_dst, ...)
+    assert jit == ("indices_dst", 2)
+    assert harness_plugin._tokens(jit, (), {"indices_dst": idx[:3], "indices_src": idx}) == 3
+    assert harness_plugin._tokens(jit, (None,), {}) == 0  # too few arguments: the op itself will say so
+    assert harness_plugin._destination(routed.can_use_hicache_jit_kernel) == (None, None)
+    assert harness_plugin._tokens((None, None), (idx,), {"dst_indices": idx}) == 0
+
+
 class _FakeEvent:
     """A CUDA event stand-in: recorded at a fake clock, done when the test says so."""
     clock = [0.0]
