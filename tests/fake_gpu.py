@@ -1,7 +1,7 @@
 """One stand-in CUDA device for running the transfer ops' Python layer without a GPU.
 
-Used by tests/test_plan_cache.py and tools/bench.py host-cost. Tensors keep
-CPU memory but claim to be on cuda:0 (``cuda(t)``) or in pinned memory
+Used by tests/test_plan_cache.py and tools/bench.py host-cost (the stream and event stand-ins also by the
+staging tests). Tensors keep CPU memory but claim to be on cuda:0 (``cuda(t)``) or in pinned memory
 (``pinned(t)``); the device state is built through launcher._DeviceState with the
 library loader, the capability query and pinned allocation stubbed, so the
 state is the real class with the real launch code. Its C launcher is what the
@@ -44,6 +44,9 @@ class FakeCuda(torch.Tensor):
 
     def clone(self, *args, **kwargs):  # so do copies (pointer_tables.py copies a table before reading it)
         return cuda(torch.Tensor.clone(self, *args, **kwargs))
+
+    def __getitem__(self, index):  # and slices (a staging area cuts its buffers out of one tensor)
+        return cuda(torch.Tensor.__getitem__(self, index))
 
 
 class FakePinned(torch.Tensor):
@@ -208,3 +211,87 @@ def stub_uploads():
         yield
     finally:
         torch.Tensor.pin_memory, torch.Tensor.to = saved
+
+
+class _Stream:
+    """A stream that orders nothing: on the CPU every op runs when submitted. Its handle is not the legacy
+    NULL stream's (0), as SGLang's load and write streams are not."""
+
+    cuda_stream = 1
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+
+@contextlib.contextmanager
+def stub_streams():
+    """torch.cuda's stream, event, device and capture calls that transfer/staging.py and direct.py make,
+    answered without a GPU (one stream, events that order nothing)."""
+    stream = _Stream()
+    names = {"is_current_stream_capturing": lambda: False, "current_stream": lambda device=None: stream,
+             "stream": lambda s: contextlib.nullcontext(), "device": lambda d: contextlib.nullcontext(),
+             "Stream": lambda *a, **k: _Stream(), "Event": _Event}
+    saved = {name: getattr(torch.cuda, name) for name in names}
+    for name, value in names.items():
+        setattr(torch.cuda, name, value)
+    try:
+        yield stream
+    finally:
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
+
+
+@contextlib.contextmanager
+def stub_device_tensors():
+    """``torch.tensor(..., device=<a GPU>)`` (a staging area's gather builds its pointer tables so) made in CPU
+    memory dressed as cuda:0."""
+    real = torch.tensor
+
+    def tensor(data, *args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            return cuda(real(data, *args, **kwargs))
+        return real(data, *args, device=device, **kwargs)
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = real
+
+
+class _CopyEngines:
+    """The CUDA runtime's copy calls as direct.py makes them (descriptors handed over), doing nothing."""
+
+    has_batch = True
+    version = 13000
+
+    def memcpy_2d(self, words, stream):
+        pass
+
+    def memcpy_batch(self, words, stream):
+        pass
+
+
+@contextlib.contextmanager
+def stub_copy_engines():
+    """direct.py's copies on the stand-in device: planned and described as on a GPU, submitted to nothing."""
+    from sglang_hicache_jit.transfer import direct
+
+    saved = direct.cuda_runtime
+    engines = _CopyEngines()
+    direct.cuda_runtime = lambda: engines
+    try:
+        yield
+    finally:
+        direct.cuda_runtime = saved

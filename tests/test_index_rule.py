@@ -53,10 +53,37 @@ def test_check_rows_sees_runs_that_wrap_past_2_63():
     bounds.check_rows("indices_dst", torch.tensor([-5, 15]), 16)  # padding and the last slot
 
 
-def test_check_bounds_no_longer_wraps():
+@pytest.mark.parametrize("small", [True, False], ids=["python-ints", "tensor-ops"])
+def test_check_bounds_no_longer_wraps(monkeypatch, small):
+    if not small:
+        monkeypatch.setattr(direct, "SMALL_CHECK_RUNS", 0)
     runs = direct.Runs(torch.tensor([TOP - 3]), torch.tensor([0]), torch.tensor([8]))
     with pytest.raises(TransferIndexError, match="indices_dst"):
         direct.check_bounds(runs, 16, 16)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_check_bounds_says_the_same_in_python_ints_as_in_tensor_ops(monkeypatch, seed):
+    """A plan of a few runs is checked with Python ints (check_spans): the same runs pass, and a bad one
+    raises the same error, naming the same side and index, as the tensor check."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 9, (1,), generator=gen))
+    starts = torch.randint(-1, 15, (2, n), generator=gen)
+    length = torch.randint(1, 6, (n,), generator=gen)
+    if seed % 5 == 0:
+        starts[0, -1] = TOP - 2  # a run whose last index would wrap in int64
+    runs = direct.Runs(starts[0], starts[1], length)
+
+    def outcome():
+        try:
+            direct.check_bounds(runs, 16, 18)
+            return None
+        except TransferIndexError as exc:
+            return str(exc)
+
+    small = outcome()
+    monkeypatch.setattr(direct, "SMALL_CHECK_RUNS", 0)
+    assert small == outcome()
 
 
 def test_whole_pages_does_not_take_a_wrapping_page_for_a_page():

@@ -8,44 +8,68 @@ import torch
 from sglang_hicache_jit.transfer import direct, staging
 
 
-def _backup(blocks: torch.Tensor, chunk: int, max_run: int, host_blocks: int = 64, layers: int = 3, row: int = 5):
-    gen = torch.Generator().manual_seed(blocks.numel() * 31 + chunk)
+def _backup(blocks, chunk: int, max_run: int, host_blocks: int = 64, layers: int = 3, row: int = 5):
+    """``blocks``: a CPU int64 tensor, or the same as a list of ints (the small backups' path)."""
+    gen = torch.Generator().manual_seed(len(blocks) * 31 + chunk)
     host = torch.zeros((host_blocks, layers, row), dtype=torch.int32)
     area = torch.empty((2 * chunk, layers, row), dtype=torch.int32)
-    gathered = torch.randint(1, 1 << 30, (blocks.numel(), layers, row), generator=gen, dtype=torch.int32)
+    count = len(blocks)
+    gathered = torch.randint(1, 1 << 30, (count, layers, row), generator=gen, dtype=torch.int32)
     pairs = direct.Pairs([(host.view(host_blocks, -1), area.view(2 * chunk, -1))])
     plan, parts = staging.plan_chunks(pairs, blocks, chunk, max_run)
-    assert len(parts) == -(-blocks.numel() // chunk)
+    assert len(parts) == -(-count // chunk)
     for k, part in enumerate(parts):
         b, first = k % 2, k * chunk
-        n = min(chunk, blocks.numel() - first)
+        n = min(chunk, count - first)
         area.fill_(-1)  # the other buffer holds garbage: a run reading it would show
         area[b * chunk: b * chunk + n] = gathered[first:first + n]
         plan.run(pairs, part=part)
     expected = torch.zeros_like(host)
-    expected[blocks] = gathered
+    expected[torch.as_tensor(blocks)] = gathered
     return host, expected
 
 
-@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 16, 64])
-@pytest.mark.parametrize("max_run", [1, 2, 5, 1 << 20])
-def test_every_chunk_lands_in_its_own_host_blocks(chunk, max_run):
-    gen = torch.Generator().manual_seed(chunk * 1000 + max_run)
-    # Runs of consecutive blocks with gaps, in a shuffled order of runs, as HiCache's allocator hands pages.
+def _shuffled_runs(seed: int) -> torch.Tensor:
+    """Runs of consecutive blocks with gaps, in a shuffled order of runs, as HiCache's allocator hands pages."""
+    gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(64, generator=gen)[:40]
     pieces = [torch.arange(int(s), min(int(s) + int(torch.randint(1, 9, (1,), generator=gen)), 64))
               for s in order[:12]]
-    blocks = torch.tensor(list(dict.fromkeys(torch.cat(pieces).tolist())), dtype=torch.int64)  # no block twice
-    host, expected = _backup(blocks, chunk, max_run)
+    return torch.tensor(list(dict.fromkeys(torch.cat(pieces).tolist())), dtype=torch.int64)  # no block twice
+
+
+@pytest.mark.parametrize("as_ints", [False, True], ids=["tensor", "ints"])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 16, 64])
+@pytest.mark.parametrize("max_run", [1, 2, 5, 1 << 20])
+def test_every_chunk_lands_in_its_own_host_blocks(chunk, max_run, as_ints):
+    blocks = _shuffled_runs(chunk * 1000 + max_run)
+    host, expected = _backup(blocks.tolist() if as_ints else blocks, chunk, max_run)
     assert torch.equal(host, expected)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 16, 64])
+@pytest.mark.parametrize("max_run", [1, 2, 5, 1 << 20])
+@pytest.mark.parametrize("seed", range(4))
+def test_ints_and_tensors_give_the_same_plan(chunk, max_run, seed):
+    """Backups of up to SMALL_BACKUP_TOKENS indices are planned from Python ints: the same runs, staged rows and
+    parts as the tensor planner, or a chunk would empty the wrong rows."""
+    blocks = _shuffled_runs(seed * 7 + chunk)
+    pairs = direct.Pairs([(torch.zeros((64, 4)), torch.zeros((2 * chunk, 4)))])
+    plan, parts = staging.plan_chunks(pairs, blocks, chunk, max_run)
+    plan_ints, parts_ints = staging.plan_chunks(pairs, blocks.tolist(), chunk, max_run)
+    assert plan_ints.runs.as_tuples() == plan.runs.as_tuples() and parts_ints == parts
+    assert plan_ints.runs.dst_start.dtype == torch.int64
+
+
+@pytest.mark.parametrize("as_ints", [False, True], ids=["tensor", "ints"])
 @pytest.mark.parametrize("count", [1, 15, 16, 17, 48])
-def test_consecutive_blocks_are_cut_at_every_chunk_boundary(count):
-    host, expected = _backup(torch.arange(5, 5 + count), 16, 1 << 20)
+def test_consecutive_blocks_are_cut_at_every_chunk_boundary(count, as_ints):
+    blocks = torch.arange(5, 5 + count)
+    blocks = blocks.tolist() if as_ints else blocks
+    host, expected = _backup(blocks, 16, 1 << 20)
     assert torch.equal(host, expected)
     pairs = direct.Pairs([(torch.zeros((64, 4)), torch.zeros((32, 4)))])
-    plan, parts = staging.plan_chunks(pairs, torch.arange(5, 5 + count), 16, 1 << 20)
+    plan, parts = staging.plan_chunks(pairs, blocks, 16, 1 << 20)
     assert [end - first for first, end in parts] == [1] * len(parts)  # one copy per full run inside a chunk
     assert plan.runs.src_start.tolist() == [k % 2 * 16 for k in range(len(parts))]
 

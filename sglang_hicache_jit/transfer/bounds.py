@@ -80,10 +80,21 @@ def check_rows(name: str, first: torch.Tensor, rows: int, length: torch.Tensor |
     bad = (first < 0) | (first > rows - length)
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
-        start = int(first[i])
-        # The run's last index, in Python ints: exact where int64 would wrap.
-        index = start if start < 0 else start + int(length[i]) - 1
-        raise TransferIndexError(f"{name} holds index {index}, but {pool} has only {rows} slots")
+        _run_past_the_end(name, int(first[i]), int(length[i]), rows, pool)
+
+
+def check_spans(name: str, starts: list, lengths: list, rows: int, *, pool: str = "its pool") -> None:
+    """check_rows for runs given as Python ints (``starts[i]``, ``lengths[i]`` >= 1): the same rule and error,
+    without a tensor op, for plans of a few runs whose fixed cost per op would dominate."""
+    for start, length in zip(starts, lengths):
+        if start < 0 or start > rows - length:
+            _run_past_the_end(name, start, length, rows, pool)
+
+
+def _run_past_the_end(name: str, start: int, length: int, rows: int, pool: str):
+    # The run's last index, in Python ints: exact where int64 would wrap.
+    index = start if start < 0 else start + length - 1
+    raise TransferIndexError(f"{name} holds index {index}, but {pool} has only {rows} slots")
 
 
 def check_layer(layer_id, layers: int, *, name: str = "layer_id", pool: str = "a pool") -> int:

@@ -34,7 +34,7 @@ import logging
 
 import torch
 
-from .bounds import PAST_THE_END, check_rows
+from .bounds import PAST_THE_END, check_rows, check_spans
 from .checks import check_index_tensor
 from .cuda import WORDS, CudaRuntime, cuda_runtime, word
 from .descriptors import describe_copies
@@ -264,9 +264,19 @@ def split_runs(runs: Runs, max_rows: int) -> Runs:
     return Runs(runs.dst_start[run_of_piece] + offset, runs.src_start[run_of_piece] + offset, length)
 
 
+# Up to this many runs, check_bounds reads them as Python ints: its eight tensor ops cost about 25 us on a
+# 2-core machine, where a staged backup of a few pages has one to a few runs (tools/bench.py host-cost).
+SMALL_CHECK_RUNS = 64
+
+
 def check_bounds(runs: Runs, dst_rows: int, src_rows: int) -> None:
     """Raises TransferIndexError if a run reaches past the end of either side (bounds.py: without
     wrap-around, before describe_copies computes an address)."""
+    if len(runs) <= SMALL_CHECK_RUNS:
+        length = runs.length.tolist()
+        check_spans("indices_dst", runs.dst_start.tolist(), length, dst_rows, pool="that side")
+        check_spans("indices_src", runs.src_start.tolist(), length, src_rows, pool="that side")
+        return
     check_rows("indices_dst", runs.dst_start, dst_rows, runs.length, pool="that side")
     check_rows("indices_src", runs.src_start, src_rows, runs.length, pool="that side")
 
@@ -394,8 +404,10 @@ class CopyPlan:
         """The copy descriptors (contiguous rows of ``cudaMemcpy3DBatchOp``) for ``pairs``: this plan's, shifted
         from its bases to theirs; with ``part``, those of runs first:end of every pair (rows are pair-major)."""
         first, end = (0, self.n_runs) if part is None else part
-        d_dst, d_src = pairs.dst_ptr - self.dst_ptr, pairs.src_ptr - self.src_ptr
-        moved = bool(d_dst.any()) or bool(d_src.any())
+        # The pairs this plan was made for (a staged backup's, every call) have not moved: skip four tensor ops.
+        same = pairs.dst_ptr is self.dst_ptr and pairs.src_ptr is self.src_ptr
+        d_dst, d_src = (None, None) if same else (pairs.dst_ptr - self.dst_ptr, pairs.src_ptr - self.src_ptr)
+        moved = not same and (bool(d_dst.any()) or bool(d_src.any()))
         if (first, end) == (0, self.n_runs) and not moved:
             return self.words
         # A copy, contiguous: a part of several pairs (one run each, even) is otherwise a strided view.

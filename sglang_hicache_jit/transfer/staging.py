@@ -35,6 +35,10 @@ from ..errors import TransferIndexError
 from .bounds import PAST_THE_END
 from .layout import page_first_direct_map
 
+# Up to this many host indices a backup reads and plans them as Python ints (a write-through of a request's
+# last pages is 64-512 tokens): the tensor ops it replaces cost about 150 us of the caller's thread, SGLang's
+# scheduler's, on a 2-core machine (tools/bench.py host-cost, docs/BENCHMARKS.md).
+SMALL_BACKUP_TOKENS = 1024
 # Host slots must come in runs of at least this many tokens on average for staging to pay: each run is one
 # flat copy of run x layers x row bytes, and the copy engines' fixed cost per copy (0.3-0.8 us in a batch)
 # would otherwise dominate. HiCache moves whole pages (often 64 tokens), far above it.
@@ -142,20 +146,28 @@ class PageStaging:
         count = host.numel()
         if count == 0:
             return True
-        low, high = (int(v) for v in torch.aminmax(host))
+        small = count <= SMALL_BACKUP_TOKENS
+        if small:  # Python ints: cheaper than a dozen tensor ops on a few hundred indices
+            values = host.tolist()
+            low, high = min(values), max(values)
+        else:
+            low, high = (int(v) for v in torch.aminmax(host))
         if low < 0:
             return False
         if high >= self.host_blocks * self.page:
             raise TransferIndexError(f"host_indices holds index {high}, but the host pool has only "
                                      f"{self.host_blocks * self.page} slots")
         if self.page == 1:
-            blocks = host
+            blocks = values if small else host
         else:
             starts = direct.whole_pages(host, self.page, aligned=True)
             if starts is None:
                 return False
-            blocks = starts // self.page
-        runs = int((blocks[1:] - blocks[:-1] != 1).sum()) + 1
+            blocks = (starts // self.page).tolist() if small else starts // self.page
+        if small:
+            runs = 1 + sum(b != a + 1 for a, b in zip(blocks, blocks[1:]))
+        else:
+            runs = int((blocks[1:] - blocks[:-1] != 1).sum()) + 1
         if runs * MIN_RUN > count:
             return False
         if bound_on_gpu and device_indices.is_cuda:
@@ -174,7 +186,7 @@ class PageStaging:
                                          f"{self.device_rows} slots")
         plan, parts = plan_chunks(self.pairs, blocks, self.chunk_blocks, self.max_run)
         with self._lock:
-            self._submit(blocks.numel(), device_indices, plan, parts)
+            self._submit(len(blocks), device_indices, plan, parts)
         return True
 
     def _submit(self, count: int, device_indices: torch.Tensor, plan, parts: list) -> None:
@@ -204,13 +216,15 @@ class PageStaging:
             self.used[b] = True
 
 
-def plan_chunks(pairs, blocks: torch.Tensor, chunk_blocks: int, max_run: int) -> tuple:
-    """The copies of a whole staged backup of host ``blocks`` (CPU int64), planned once: runs of consecutive
-    host blocks that stay inside one chunk of ``chunk_blocks``, each from where its chunk's buffer holds
-    it (chunk k in buffer k % 2, whose block j is row ``(k % 2) * chunk_blocks + j`` of the pairs' source),
-    none longer than ``max_run`` blocks; and per chunk the (first, end) range of runs that empties it. One
-    plan per chunk cost 0.3-0.4 ms of the caller's thread each, SGLang's scheduler's (tools/bench.py
-    plan-cost, docs/BENCHMARKS.md)."""
+def plan_chunks(pairs, blocks, chunk_blocks: int, max_run: int) -> tuple:
+    """The copies of a whole staged backup of host ``blocks`` (CPU int64, or a list of ints), planned once:
+    runs of consecutive host blocks that stay inside one chunk of ``chunk_blocks``, each from where its
+    chunk's buffer holds it (chunk k in buffer k % 2, whose block j is row ``(k % 2) * chunk_blocks + j`` of
+    the pairs' source), none longer than ``max_run`` blocks; and per chunk the (first, end) range of runs
+    that empties it. One plan per chunk cost 0.3-0.4 ms of the caller's thread each, SGLang's scheduler's
+    (tools/bench.py plan-cost, docs/BENCHMARKS.md)."""
+    if isinstance(blocks, list):
+        return _plan_chunks_of_ints(pairs, blocks, chunk_blocks, max_run)
     count = blocks.numel()
     position = torch.arange(count)
     breaks = (blocks[1:] - blocks[:-1] != 1) | (position[1:] % chunk_blocks == 0)
@@ -222,6 +236,26 @@ def plan_chunks(pairs, blocks: torch.Tensor, chunk_blocks: int, max_run: int) ->
     staged = runs.src_start // chunk_blocks % 2 * chunk_blocks + runs.src_start % chunk_blocks
     plan = direct.CopyPlan(pairs, direct.Runs(runs.dst_start, staged, runs.length))
     return plan, list(zip(bounds[:-1], bounds[1:]))
+
+
+def _plan_chunks_of_ints(pairs, blocks: list, chunk_blocks: int, max_run: int) -> tuple:
+    """plan_chunks for blocks given as Python ints: the same runs and parts, in one pass."""
+    dst, staged, length, bounds = [], [], [], []
+    previous = None
+    for i, block in enumerate(blocks):
+        j = i % chunk_blocks
+        if j == 0:  # a new chunk: its runs start here
+            bounds.append(len(dst))
+        if j and block == previous + 1 and length[-1] < max_run:
+            length[-1] += 1
+        else:
+            dst.append(block)
+            staged.append(i // chunk_blocks % 2 * chunk_blocks + j)
+            length.append(1)
+        previous = block
+    bounds.append(len(dst))
+    runs = direct.Runs(*(torch.tensor(column, dtype=torch.int64) for column in (dst, staged, length)))
+    return direct.CopyPlan(pairs, runs), list(zip(bounds[:-1], bounds[1:]))
 
 
 def _check_memory(memory: list, host_caches: list, device) -> None:

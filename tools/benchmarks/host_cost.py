@@ -179,6 +179,49 @@ def calls(ops, routed):
     if pointer_tables is not None:
         suite["pointer table, CUDA, cached"] = lambda: pointer_tables.checked(dev_ptrs, "table")
         suite["pointer table, CPU, cached"] = lambda: pointer_tables.checked(cpu_table, "table")
+    if hasattr(routed, "transfer_hicache_all_layer_staged_lf_pf") and pointer_tables is not None:
+        suite.update(staged_write_backs(routed))
+    return suite
+
+
+# SGLang's staged write-back (0.5.17+, MHA page_first, the kernel io_backend): Llama-3.1-8B's pool, 32 layers of
+# 8 KV heads of 128 bf16, pages of 64, SGLang's staging buffers of 64 pages per cache.
+WB_LAYERS, WB_HEADS, WB_DIM, WB_PAGE, WB_SLOTS, WB_DEVICE_SLOTS = 32, 8, 128, 64, 3 * 8192, 8192
+
+
+def staged_write_backs(routed) -> dict:
+    """The write-through of a request's new pages (64 and 512 tokens) and of a whole 8K-token prompt, as SGLang
+    calls it: host slots on the CPU, device slots on the GPU, through the staging area (its gather launched
+    through the no-op launcher, its copies described and handed to nothing: fake_gpu.stub_copy_engines)."""
+    import torch
+
+    import fake_gpu
+    from sglang_hicache_jit.transfer import extents, route
+
+    route._verdicts[WB_HEADS * WB_DIM * 2] = True
+    bf16 = torch.bfloat16
+    device = [[fake_gpu.cuda(torch.empty(WB_DEVICE_SLOTS, WB_HEADS, WB_DIM, dtype=bf16)) for _ in range(WB_LAYERS)]
+              for _ in range(2)]
+    staging_buffers = [fake_gpu.cuda(torch.empty(64 * WB_PAGE, WB_LAYERS, WB_HEADS, WB_DIM, dtype=bf16))
+                       for _ in range(2)]
+    for t in [*device[0], *device[1], *staging_buffers]:
+        extents.register(t)
+    tables = [fake_gpu.cuda(torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64)) for layers in device]
+    host = fake_gpu.pinned(torch.empty(2, WB_SLOTS, WB_LAYERS, WB_HEADS, WB_DIM, dtype=bf16))
+    suite = {}
+    for tokens in (64, 512, 8192):
+        host_idx = torch.arange(WB_PAGE * 7, WB_PAGE * 7 + tokens)  # fresh pages, as HiCache's allocator hands them
+        device_idx = fake_gpu.cuda(torch.randperm(WB_DEVICE_SLOTS, generator=torch.Generator().manual_seed(tokens))[
+            :tokens])
+
+        def write_back(host_idx=host_idx, device_idx=device_idx, device=device):  # device: the tables' memory
+            # A fresh view of each host buffer per call, as SGLang's k_buffer / v_buffer properties hand them.
+            routed.transfer_hicache_all_layer_staged_lf_pf(
+                k_ptr_src=tables[0], v_ptr_src=tables[1], src_indices=device_idx, dst_indices=host_idx,
+                staging_k=staging_buffers[0], staging_v=staging_buffers[1], dst_k=fake_gpu.pinned(host[0]),
+                dst_v=fake_gpu.pinned(host[1]), page_size=WB_PAGE)
+
+        suite[f"routed MHA staged write-back, {tokens} tokens"] = write_back
     return suite
 
 
@@ -199,7 +242,8 @@ def run(args, out, name: str) -> int:
     if args.baseline:
         versions = {args.baseline: load_baseline(args.baseline), **versions}
     suites = {}
-    with fake_gpu.stub_cuda_runtime(current_ops), fake_gpu.stub_uploads():
+    with (fake_gpu.stub_cuda_runtime(current_ops), fake_gpu.stub_uploads(), fake_gpu.stub_streams(),
+          fake_gpu.stub_device_tensors(), fake_gpu.stub_copy_engines()):
         for label, (ops, routed) in versions.items():
             with fake_gpu.stub_cuda_runtime(ops):
                 fake_gpu.install(ops, handle=fake_gpu.noop_library())
@@ -216,12 +260,12 @@ def run(args, out, name: str) -> int:
                             fn()
                         samples[label, case].append((time.perf_counter() - start) / args.calls * 1e6)
     labels = list(suites)
-    print(f"{'us per call (best of ' + str(args.rounds) + ' rounds)':<30}" + "".join(f"{lb:>14}" for lb in labels)
+    print(f"{'us per call (best of ' + str(args.rounds) + ' rounds)':<44}" + "".join(f"{lb:>14}" for lb in labels)
           + ("   change" if len(labels) == 2 else ""))
     for case in dict.fromkeys(case for suite in suites.values() for case in suite):
         best = [min(samples[label, case]) if (label, case) in samples else None for label in labels]
         change = f"   {best[1] / best[0] - 1:+.0%}" if len(best) == 2 and None not in best else ""
-        print(f"{case:<30}" + "".join("-".rjust(14) if m is None else f"{m:14.2f}" for m in best) + change)
+        print(f"{case:<44}" + "".join("-".rjust(14) if m is None else f"{m:14.2f}" for m in best) + change)
         for label, value in zip(labels, best):
             if value is not None:
                 out.row(case=case, tree=label, us_per_call=value, rounds=args.rounds, calls=args.calls)
