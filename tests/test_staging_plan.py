@@ -61,6 +61,20 @@ def test_ints_and_tensors_give_the_same_plan(chunk, max_run, seed):
     assert plan_ints.runs.dst_start.dtype == torch.int64
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 16, 64])
+@pytest.mark.parametrize("max_run", [1, 2, 5, 1 << 20])
+@pytest.mark.parametrize("count", [1, 2, 15, 16, 17, 48, 130])
+def test_consecutive_blocks_are_planned_as_the_general_planner_plans_them(chunk, max_run, count):
+    """Consecutive host blocks (a fresh allocation) skip the general planners: the runs and parts written out
+    directly must be those the general planner finds, from a list of ints and from a tensor."""
+    blocks = list(range(7, 7 + count))
+    pairs = direct.Pairs([(torch.zeros((256, 4)), torch.zeros((2 * chunk, 4)))])
+    general, general_parts = staging._plan_chunks_of_ints(pairs, blocks, chunk, max_run)
+    for given in (blocks, torch.tensor(blocks)):
+        plan, parts = staging.plan_chunks(pairs, given, chunk, max_run)
+        assert plan.runs.as_tuples() == general.runs.as_tuples() and parts == general_parts
+
+
 @pytest.mark.parametrize("as_ints", [False, True], ids=["tensor", "ints"])
 @pytest.mark.parametrize("count", [1, 15, 16, 17, 48])
 def test_consecutive_blocks_are_cut_at_every_chunk_boundary(count, as_ints):

@@ -190,9 +190,10 @@ WB_LAYERS, WB_HEADS, WB_DIM, WB_PAGE, WB_SLOTS, WB_DEVICE_SLOTS = 32, 8, 128, 64
 
 
 def staged_write_backs(routed) -> dict:
-    """The write-through of a request's new pages (64 and 512 tokens) and of a whole 8K-token prompt, as SGLang
-    calls it: host slots on the CPU, device slots on the GPU, through the staging area (its gather launched
-    through the no-op launcher, its copies described and handed to nothing: fake_gpu.stub_copy_engines)."""
+    """The write-through of a request's new pages (64 and 512 tokens) and of a whole 8K-token prompt (into fresh
+    pages, and into scattered ones), as SGLang calls it: host slots on the CPU, device slots on the GPU,
+    through the staging area (its gather launched through the no-op launcher, its copies described and handed
+    to nothing: fake_gpu.stub_copy_engines)."""
     import torch
 
     import fake_gpu
@@ -209,8 +210,11 @@ def staged_write_backs(routed) -> dict:
     tables = [fake_gpu.cuda(torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64)) for layers in device]
     host = fake_gpu.pinned(torch.empty(2, WB_SLOTS, WB_LAYERS, WB_HEADS, WB_DIM, dtype=bf16))
     suite = {}
-    for tokens in (64, 512, 8192):
-        host_idx = torch.arange(WB_PAGE * 7, WB_PAGE * 7 + tokens)  # fresh pages, as HiCache's allocator hands them
+    pages = torch.randperm(WB_SLOTS // WB_PAGE, generator=torch.Generator().manual_seed(7))[:8192 // WB_PAGE]
+    scattered = (pages[:, None] * WB_PAGE + torch.arange(WB_PAGE)).flatten()  # pages a long-running pool hands out
+    for tokens, label in ((64, ""), (512, ""), (8192, ""), (8192, ", scattered pages")):
+        # Fresh pages, as HiCache's allocator hands them at first; or scattered ones, as after churn.
+        host_idx = scattered if label else torch.arange(WB_PAGE * 7, WB_PAGE * 7 + tokens)
         device_idx = fake_gpu.cuda(torch.randperm(WB_DEVICE_SLOTS, generator=torch.Generator().manual_seed(tokens))[
             :tokens])
 
@@ -221,7 +225,7 @@ def staged_write_backs(routed) -> dict:
                 staging_k=staging_buffers[0], staging_v=staging_buffers[1], dst_k=fake_gpu.pinned(host[0]),
                 dst_v=fake_gpu.pinned(host[1]), page_size=WB_PAGE)
 
-        suite[f"routed MHA staged write-back, {tokens} tokens"] = write_back
+        suite[f"routed MHA staged write-back, {tokens} tokens{label}"] = write_back
     return suite
 
 
@@ -260,12 +264,12 @@ def run(args, out, name: str) -> int:
                             fn()
                         samples[label, case].append((time.perf_counter() - start) / args.calls * 1e6)
     labels = list(suites)
-    print(f"{'us per call (best of ' + str(args.rounds) + ' rounds)':<44}" + "".join(f"{lb:>14}" for lb in labels)
+    print(f"{'us per call (best of ' + str(args.rounds) + ' rounds)':<52}" + "".join(f"{lb:>14}" for lb in labels)
           + ("   change" if len(labels) == 2 else ""))
     for case in dict.fromkeys(case for suite in suites.values() for case in suite):
         best = [min(samples[label, case]) if (label, case) in samples else None for label in labels]
         change = f"   {best[1] / best[0] - 1:+.0%}" if len(best) == 2 and None not in best else ""
-        print(f"{case:<44}" + "".join("-".rjust(14) if m is None else f"{m:14.2f}" for m in best) + change)
+        print(f"{case:<52}" + "".join("-".rjust(14) if m is None else f"{m:14.2f}" for m in best) + change)
         for label, value in zip(labels, best):
             if value is not None:
                 out.row(case=case, tree=label, us_per_call=value, rounds=args.rounds, calls=args.calls)
