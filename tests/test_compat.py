@@ -202,3 +202,20 @@ def ops_module():
     from sglang_hicache_jit import ops
 
     return ops
+
+
+def test_staged_geometry_reads_rows_from_the_shapes_and_names_a_flat_staging_buffer():
+    """staged_geometry: (row bytes, bytes per token across layers) from the shapes, as upstream reads them from
+    ``staging[0, 0]`` and ``dst[0, 0]``; a staging buffer without a layer dimension is refused naming it (it
+    raised IndexError: "too many indices")."""
+    from sglang_hicache_jit.integrations import compat as icompat
+
+    dst = torch.zeros(16, 3, 8, 128, dtype=torch.bfloat16)  # (slots, layers, heads, dim)
+    staging = torch.zeros(4, 3, 8, 128, dtype=torch.bfloat16)
+    assert icompat.staged_geometry(staging, dst, None) == (dst[0, 0].numel() * 2, 3 * dst[0, 0].numel() * 2)
+    flat_rows = torch.zeros(16, 3, 1, dtype=torch.float32)  # one element per row: staging[0, 0] of a 2-D buffer
+    assert icompat.staged_geometry(torch.zeros(4, 3, dtype=torch.float32), flat_rows, None) == (4, 12)
+    with pytest.raises(ValueError, match="staging must be a staging buffer"):
+        icompat.staged_geometry(torch.zeros(8, dtype=torch.bfloat16), dst, None)
+    with pytest.raises(ValueError, match="element_size is 512 bytes but a row of dst is 2048 bytes"):
+        icompat.staged_geometry(torch.zeros(4, 3, 2, 128, dtype=torch.bfloat16), dst, None)

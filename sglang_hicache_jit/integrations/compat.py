@@ -306,8 +306,12 @@ def staged_geometry(staging: torch.Tensor, dst: torch.Tensor, element_size) -> t
     if dst.dim() < 3 or not dst.is_contiguous():
         raise ValueError(f"dst must be a contiguous page_first host buffer (slots, layers, ...), got shape "
                          f"{tuple(dst.shape)}")
-    row_bytes = dst[0, 0].numel() * dst.element_size()
-    size = element_size or staging[0, 0].numel() * staging.element_size()
+    if staging.dim() < 2:
+        raise ValueError(f"staging must be a staging buffer laid out as dst (tokens, layers, ...), got shape "
+                         f"{tuple(staging.shape)}")
+    # A row's bytes from the shapes (indexing [0, 0] would cut a view per call, on SGLang's scheduler thread).
+    row_bytes = math.prod(dst.shape[2:]) * dst.element_size()
+    size = element_size or math.prod(staging.shape[2:]) * staging.element_size()
     if size != row_bytes:
         raise ValueError(f"element_size is {size} bytes but a row of dst is {row_bytes} bytes")
     return size, dst.shape[1] * row_bytes
