@@ -159,6 +159,28 @@ def test_host_cost_writes_a_row_per_call(bench, tmp_path):
     assert len(rows) >= 8 and all(r["tree"] == "this tree" and r["us_per_call"] > 0 for r in rows)
 
 
+@pytest.mark.skipif(not shutil.which("cc") or not shutil.which("git"), reason="host-cost --baseline needs cc and git")
+def test_host_cost_times_a_baseline_revision_beside_this_tree(bench, tmp_path, capsys, monkeypatch):
+    """--baseline REV times REV's package (exported by git archive, timed in a child process with this
+    harness): one row per case and tree, and the temp export is gone afterwards."""
+    import tempfile
+
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("host-cost --baseline needs a git checkout")
+    exports = tmp_path / "tmp"
+    exports.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(exports))
+    result = tmp_path / "host.jsonl"
+    assert bench.main(["host-cost", "--baseline", "HEAD", "--rounds", "1", "--calls", "3", "--out", str(result)]) == 0
+    rows = _lines(result)[1:]
+    trees = {r["tree"] for r in rows}
+    assert trees == {"HEAD", "this tree"}
+    for tree in trees:
+        assert len([r for r in rows if r["tree"] == tree]) >= 8
+    assert "HEAD" in capsys.readouterr().out
+    assert not list(exports.glob("hicache-host-cost-*"))  # (the no-op launcher's folder stays until exit)
+
+
 def test_releases_runs_each_release_with_and_without_the_kernel(bench, tmp_path, capsys):
     for name in ("sglang-0.5.9", "standin-0.5.9", "sglang-0.5.10", "standin-0.5.10"):
         (tmp_path / name).mkdir()

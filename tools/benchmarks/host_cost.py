@@ -1,4 +1,4 @@
-"""``host-cost``: host cost of ops.py's Python layer per transfer call, measured without a GPU.
+"""``host-cost``: host cost of the transfer ops' Python layer per call, measured without a GPU.
 
 Tensors are CPU memory dressed as cuda:0 or pinned memory and the C launcher
 is a no-op C function with the same signature, called through ctypes as the
@@ -10,25 +10,26 @@ The stand-in tensors make each tensor attribute read ~60 ns dearer than a
 real one, in both columns.
 Needs a C compiler (cc). Run from the checkout:
 
-    python3 tools/bench.py host-cost                 # this tree's ops.py
+    python3 tools/bench.py host-cost                 # this tree
     python3 tools/bench.py host-cost --baseline main # ... and main's, side by side
+
+``--baseline REV`` exports that revision's tree (git archive) to a temp folder and times its package in a
+child process with this harness (this file and tests/fake_gpu.py), between two halves of this tree's rounds,
+so drift over the run reaches both columns; a case the older tree cannot run shows "-".
 
 The "routed" rows call integrations/sglang/ops.py as SGLang 0.5.23's host
 pools do once the plugin is active (keyword arguments, element_dim, a
-per-layer view of a page_first buffer); with --baseline, that revision's
-integrations/sglang/ops.py (sglang_ops.py before), compat.py and ops.py are used together.
-The "pointer table" rows time transfer/pointer_tables.py's check of a table
+per-layer view of a page_first buffer). The "pointer table" rows time
+transfer/pointer_tables.py's check of a table
 it has checked before (a stand-in CUDA table: data pointer and version; a CPU
 table: its bytes compared), the cost every all-layer call pays per table; the
 buffers the tables point into are registered as the SGLang plugin registers
-a pool's (transfer/extents.py), since no driver answers here. A tree without
-pointer_tables.py shows "-" there.
+a pool's (transfer/extents.py), since no driver answers here. The "staged
+write-back" rows run SGLang's staged write-back through the staging area.
 
 On a GPU, ``tools/bench.py overhead`` (``sglang-hicache-jit bench --mode overhead``) measures the whole call.
 """
-
 import importlib
-import importlib.util
 import subprocess
 import sys
 import time
@@ -38,48 +39,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 TOKENS, SLOTS, LAYERS, ROW = 64, 4096, 8, 1152
-
-
-def load_module(rev: str, path: str, package: str, **rebind):
-    """``path`` as of git revision ``rev``, as a module of ``package`` (its
-    relative imports resolve to this tree's other modules, then the globals
-    named in ``rebind`` are pointed at the baseline's own modules)."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"],
-                            check=True, capture_output=True, text=True).stdout
-    name = f"{package}._{Path(path).stem}_baseline"
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = package
-    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
-    module.__dict__.update(rebind)
-    sys.modules[name] = module
-    return module
-
-
-# Where the modules a one-file ops.py imports lazily live since the layout moves (docs/layout.md).
-MOVED = {"sglang_hicache_jit.arch": "sglang_hicache_jit.buildcache.arch",
-         "sglang_hicache_jit.loader": "sglang_hicache_jit.buildcache.loader"}
-
-
-def load_baseline(rev: str):
-    """(ops, routed SGLang ops) as of git revision ``rev``: a revision with the one-file ops.py of
-    before the layout moves (from this tree on, ops.py is an alias and the ops span transfer/)."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:sglang_hicache_jit/ops.py"],
-                            check=True, capture_output=True, text=True).stdout
-    if "sys.modules[__name__]" in source:
-        raise SystemExit(f"--baseline {rev}: its ops.py is the alias of transfer/ops.py; compare against a "
-                         "revision from before the layout moves, or time each tree on its own")
-    for old, new in MOVED.items():  # its lazy 'from .arch import ...' and 'from .loader import ...'
-        sys.modules.setdefault(old, importlib.import_module(new))
-    ops = load_module(rev, "sglang_hicache_jit/ops.py", "sglang_hicache_jit")
-    compat = load_module(rev, "sglang_hicache_jit/compat.py", "sglang_hicache_jit", ops=ops)
-    try:
-        routed = load_module(rev, "sglang_hicache_jit/integrations/sglang/ops.py",
-                             "sglang_hicache_jit.integrations.sglang", ops=ops, compat=compat)
-    except subprocess.CalledProcessError:  # revisions before integrations/sglang/ became a package
-        routed = load_module(rev, "sglang_hicache_jit/integrations/sglang_ops.py", "sglang_hicache_jit.integrations",
-                             ops=ops, compat=compat)
-    return ops, routed
 
 
 def layer_table(ops, groups, **kwargs):
@@ -230,46 +189,85 @@ def staged_write_backs(routed) -> dict:
 
 
 def add_arguments(p, name: str) -> None:
-    p.add_argument("--baseline", metavar="REV", help="also time ops.py of this git revision")
+    p.add_argument("--baseline", metavar="REV", help="also time the package of this git revision (exported to a "
+                   "temp folder, timed in a child process with this harness)")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds; the best counts (the "
                    "least disturbed by other processes)")
     p.add_argument("--calls", type=int, default=5000, help="calls per round")
 
 
-def run(args, out, name: str) -> int:
+def measure(rounds: int, calls_per_round: int) -> dict:
+    """{case: microseconds per call, best of ``rounds``} for the sglang_hicache_jit this process imports (None:
+    a case that tree cannot run)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import fake_gpu
-    from sglang_hicache_jit import ops as current_ops
-    from sglang_hicache_jit.integrations.sglang import ops as current_routed
+    from sglang_hicache_jit import ops
+    from sglang_hicache_jit.integrations.sglang import ops as routed
 
-    versions = {"this tree": (current_ops, current_routed)}
-    if args.baseline:
-        versions = {args.baseline: load_baseline(args.baseline), **versions}
-    suites = {}
-    with (fake_gpu.stub_cuda_runtime(current_ops), fake_gpu.stub_uploads(), fake_gpu.stub_streams(),
+    with (fake_gpu.stub_cuda_runtime(ops), fake_gpu.stub_uploads(), fake_gpu.stub_streams(),
           fake_gpu.stub_device_tensors(), fake_gpu.stub_copy_engines()):
-        for label, (ops, routed) in versions.items():
-            with fake_gpu.stub_cuda_runtime(ops):
-                fake_gpu.install(ops, handle=fake_gpu.noop_library())
-            suites[label] = calls(ops, routed)
-        samples = {(label, case): [] for label, suite in suites.items() for case in suite}
-        for _ in range(args.rounds):  # interleaved, so drift hits every column alike
-            for label, suite in suites.items():
-                ops = versions[label][0]
-                with fake_gpu.stub_cuda_runtime(ops):
-                    for case, fn in suite.items():
-                        fn()
-                        start = time.perf_counter()
-                        for _ in range(args.calls):
-                            fn()
-                        samples[label, case].append((time.perf_counter() - start) / args.calls * 1e6)
-    labels = list(suites)
-    print(f"{'us per call (best of ' + str(args.rounds) + ' rounds)':<52}" + "".join(f"{lb:>14}" for lb in labels)
+        fake_gpu.install(ops, handle=fake_gpu.noop_library())
+        suite = calls(ops, routed)
+        best: dict = {}
+        for case, fn in suite.items():
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - an older tree without this path: its column shows "-"
+                best[case] = None
+        for _ in range(rounds):
+            for case, fn in suite.items():
+                if case in best and best[case] is None:
+                    continue
+                start = time.perf_counter()
+                for _ in range(calls_per_round):
+                    fn()
+                us = (time.perf_counter() - start) / calls_per_round * 1e6
+                best[case] = us if best.get(case) is None else min(best[case], us)
+    return best
+
+
+def _measure_revision(rev: str, rounds: int, calls_per_round: int) -> dict:
+    """measure() of git revision ``rev``'s package, exported to a temp folder, in a child process."""
+    import io
+    import json
+    import shutil
+    import tarfile
+    import tempfile
+
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev, "sglang_hicache_jit"],
+                             check=True, capture_output=True).stdout
+    folder = tempfile.mkdtemp(prefix="hicache-host-cost-")
+    try:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(folder, filter="data")
+        code = (f"import json, sys; sys.path[:0] = {[folder, str(ROOT / 'tools')]!r}; "
+                f"from benchmarks import host_cost; print(json.dumps(host_cost.measure({rounds}, {calls_per_round})))")
+        result = subprocess.run([sys.executable, "-c", code], cwd=folder, capture_output=True, text=True)
+        if result.returncode:
+            raise SystemExit(f"--baseline {rev}: timing that tree failed:\n{result.stderr[-2000:]}")
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def run(args, out, name: str) -> int:
+    if args.baseline:  # this tree's rounds in two halves around the baseline's, so drift reaches both columns
+        first = measure((args.rounds + 1) // 2, args.calls)
+        columns = {args.baseline: _measure_revision(args.baseline, args.rounds, args.calls)}
+        second = measure(args.rounds // 2, args.calls) if args.rounds > 1 else first
+        columns["this tree"] = {case: None if first[case] is None else min(first[case], second[case])
+                                for case in first}
+    else:
+        columns = {"this tree": measure(args.rounds, args.calls)}
+    labels = list(columns)
+    cases = list(dict.fromkeys(case for column in columns.values() for case in column))
+    width = max(len(case) for case in cases) + 2
+    print(f"{'us per call (best of ' + str(args.rounds) + ' rounds)':<{width}}" + "".join(f"{lb:>14}" for lb in labels)
           + ("   change" if len(labels) == 2 else ""))
-    for case in dict.fromkeys(case for suite in suites.values() for case in suite):
-        best = [min(samples[label, case]) if (label, case) in samples else None for label in labels]
+    for case in cases:
+        best = [columns[label].get(case) for label in labels]
         change = f"   {best[1] / best[0] - 1:+.0%}" if len(best) == 2 and None not in best else ""
-        print(f"{case:<52}" + "".join("-".rjust(14) if m is None else f"{m:14.2f}" for m in best) + change)
+        print(f"{case:<{width}}" + "".join("-".rjust(14) if m is None else f"{m:14.2f}" for m in best) + change)
         for label, value in zip(labels, best):
             if value is not None:
                 out.row(case=case, tree=label, us_per_call=value, rounds=args.rounds, calls=args.calls)
