@@ -100,6 +100,54 @@ class Recorder:
         return self.calls[-1]
 
 
+class Copier(Recorder):
+    """A Python stand-in for hicache_transfer_launch that does what the kernel does, on the stand-in device's
+    memory (CPU memory, so every address in the struct is real): for each item, cache and layer, the row at
+    ``base + index * stride`` of the source (``base``: the layer's entry of the cache's pointer table, or the
+    cache's base address) to the same place of the destination; a negative index skips its pair, an index
+    at or past ``src_rows`` / ``dst_rows`` (where those are known) is skipped and reported in the error words,
+    and a caller's table (``*_live*``) that differs from the checked copy the rows go through makes the whole
+    transfer copy nothing and report a stale table (kernels/hicache_copy.cuh). So the Python layer's GPU
+    path (tables, views, strides, indices) can be checked bit for bit without a GPU."""
+
+    def __call__(self, spec, stream, method_used) -> int:
+        from sglang_hicache_jit.transfer.abi import _CTransfer
+
+        result = super().__call__(spec, stream, method_used)
+        t = _CTransfer.from_address(spec) if isinstance(spec, int) else spec._obj
+        words = (ctypes.c_uint32 * 4).from_address(t.error_flags) if t.error_flags else [0] * 4
+        layers, caches = t.num_layers, t.num_caches
+
+        def table(address, layer):
+            return ctypes.c_uint64.from_address(address + 8 * layer).value
+
+        for c in range(caches):
+            for live, kept in ((getattr(t, f"src_live{c}"), getattr(t, f"src_table{c}")),
+                               (getattr(t, f"dst_live{c}"), getattr(t, f"dst_table{c}"))):
+                if live and kept and any(table(live, l) != table(kept, l) for l in range(layers)):
+                    words[3] = 1
+                    return result
+        element = ctypes.c_int32 if t.index_bytes == 4 else ctypes.c_int64
+        src_idx = (element * t.num_items).from_address(t.indices_src) if t.num_items else []
+        dst_idx = (element * t.num_items).from_address(t.indices_dst) if t.num_items else []
+        for si, di in zip(src_idx, dst_idx):
+            if si < 0 or di < 0:
+                continue
+            if t.src_rows >= 0 and si >= t.src_rows:
+                words[0] = 1
+                continue
+            if t.dst_rows >= 0 and di >= t.dst_rows:
+                words[1] = 1
+                continue
+            for c in range(caches):
+                src_table, dst_table = getattr(t, f"src_table{c}"), getattr(t, f"dst_table{c}")
+                for l in range(layers):
+                    src = table(src_table, l) if src_table else getattr(t, f"src_base{c}")
+                    dst = table(dst_table, l) if dst_table else getattr(t, f"dst_base{c}")
+                    ctypes.memmove(dst + di * t.dst_stride, src + si * t.src_stride, t.row_bytes)
+        return result
+
+
 _NOOP_SOURCE = r"""
 #include <stdint.h>
 int hicache_transfer_launch(const void* transfer, void* stream, int* method_used) {
@@ -271,27 +319,45 @@ def stub_device_tensors():
 
 
 class _CopyEngines:
-    """The CUDA runtime's copy calls as direct.py makes them (descriptors handed over), doing nothing."""
+    """The CUDA runtime's copy calls as direct.py makes them (descriptors handed over): doing nothing, or
+    (``perform``) each descriptor's 2-D copy in CPU memory, row by row, as the copy engines would."""
 
     has_batch = True
     version = 13000
 
+    def __init__(self, perform: bool = False):
+        self.perform = perform
+        self.copies = 0
+
     def memcpy_2d(self, words, stream):
-        pass
+        self._run(words)
 
     def memcpy_batch(self, words, stream):
-        pass
+        self._run(words)
+
+    def _run(self, words):
+        if not self.perform:
+            return
+        from sglang_hicache_jit.transfer.cuda import word
+
+        columns = [word(f) for f in ("dst.ptr", "dst.rowLength", "src.ptr", "src.rowLength", "extent.width",
+                                     "extent.height")]
+        for dst, dpitch, src, spitch, width, height in words[:, columns].tolist():
+            self.copies += 1
+            for h in range(height):
+                ctypes.memmove(dst + h * dpitch, src + h * spitch, width)
 
 
 @contextlib.contextmanager
-def stub_copy_engines():
-    """direct.py's copies on the stand-in device: planned and described as on a GPU, submitted to nothing."""
+def stub_copy_engines(perform: bool = False):
+    """direct.py's copies on the stand-in device: planned and described as on a GPU, then submitted to
+    nothing, or (``perform``) carried out in CPU memory. Yields the stand-in runtime."""
     from sglang_hicache_jit.transfer import direct
 
     saved = direct.cuda_runtime
-    engines = _CopyEngines()
+    engines = _CopyEngines(perform)
     direct.cuda_runtime = lambda: engines
     try:
-        yield
+        yield engines
     finally:
         direct.cuda_runtime = saved
