@@ -60,6 +60,9 @@ class FakePinned(torch.Tensor):
     def view(self, *shape):
         return pinned(torch.Tensor.view(self, *shape))
 
+    def __getitem__(self, index):  # a slice of pinned memory is pinned memory
+        return pinned(torch.Tensor.__getitem__(self, index))
+
 
 # as_subclass makes a view: ``_base`` leads to the plain tensor underneath,
 # as it leads from a real view to its buffer.
