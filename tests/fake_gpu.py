@@ -48,6 +48,9 @@ class FakeCuda(torch.Tensor):
     def __getitem__(self, index):  # and slices (a staging area cuts its buffers out of one tensor)
         return cuda(torch.Tensor.__getitem__(self, index))
 
+    def __add__(self, other):  # and sums (pointer_tables.py shifts a table by adding to it)
+        return cuda(torch.Tensor.__add__(self, other))
+
 
 class FakePinned(torch.Tensor):
     """CPU memory that says it is pinned."""
@@ -364,3 +367,27 @@ def stub_copy_engines(perform: bool = False):
         yield engines
     finally:
         direct.cuda_runtime = saved
+
+
+@contextlib.contextmanager
+def copying_device(ops):
+    """The stand-in cuda:0 with a launcher and copy engines that really copy (Copier, stub_copy_engines(
+    perform=True)), and every torch.cuda call the transfer layer makes answered: yields (the Copier, the copy
+    engines). On leaving, the device state, the checked pointer tables, the routed ops' staging areas and the
+    probe's verdicts are forgotten, so nothing of the stand-in reaches a later test."""
+    from sglang_hicache_jit.integrations.sglang import ops as routed
+    from sglang_hicache_jit.transfer import launcher, pointer_tables, route
+
+    copier = Copier()
+    saved = dict(launcher._states)
+    with (stub_cuda_runtime(ops), stub_uploads(), stub_streams(), stub_device_tensors(),
+          stub_copy_engines(perform=True) as engines):
+        install(ops, handle=noop_library())._launch_c = copier
+        try:
+            yield copier, engines
+        finally:
+            launcher._states.clear()
+            launcher._states.update(saved)
+            pointer_tables.clear()
+            routed._stagings.clear()
+            route.reset()

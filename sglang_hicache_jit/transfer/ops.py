@@ -263,7 +263,7 @@ def transfer_pointer_tables(tables_dst, indices_dst, tables_src, indices_src, *,
             return plan.run(indices_dst, indices_src)
     devices = {t.device for t in tables}
     if len(devices) != 1:
-        raise ValueError(f"the pointer tables must be on one GPU, got tables on {sorted(devices)}")
+        raise ValueError(f"the pointer tables must be on one GPU, got tables on {sorted(devices, key=str)}")
     layers = {t.count for t in tables}
     if len(layers) != 1:
         raise ValueError(f"every pointer table must have the same number of layers, got {sorted(layers)}")
