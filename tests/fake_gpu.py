@@ -308,20 +308,24 @@ def stub_streams():
 
 @contextlib.contextmanager
 def stub_device_tensors():
-    """``torch.tensor(..., device=<a GPU>)`` (a staging area's gather builds its pointer tables so) made in CPU
-    memory dressed as cuda:0."""
-    real = torch.tensor
+    """``torch.tensor(..., device=<a GPU>)`` (a staging area's gather builds its pointer tables so) and
+    ``torch.empty(..., device=<a GPU>)`` (a staging area's buffers) made in CPU memory dressed as cuda:0."""
+    saved = {"tensor": torch.tensor, "empty": torch.empty}
 
-    def tensor(data, *args, device=None, **kwargs):
-        if device is not None and torch.device(device).type == "cuda":
-            return cuda(real(data, *args, **kwargs))
-        return real(data, *args, device=device, **kwargs)
+    def on_stand_in(real):
+        def make(*args, device=None, **kwargs):
+            if device is not None and torch.device(device).type == "cuda":
+                return cuda(real(*args, **kwargs))
+            return real(*args, device=device, **kwargs)
+        return make
 
-    torch.tensor = tensor
+    for name, real in saved.items():
+        setattr(torch, name, on_stand_in(real))
     try:
         yield
     finally:
-        torch.tensor = real
+        for name, real in saved.items():
+            setattr(torch, name, real)
 
 
 class _CopyEngines:
