@@ -164,8 +164,10 @@ class PageStaging:
             if starts is None:
                 return False
             blocks = (starts // self.page).tolist() if small else starts // self.page
-        if small:
-            runs = 1 + sum(b != a + 1 for a, b in zip(blocks, blocks[1:]))
+        if small:  # consecutive blocks (a fresh allocation) are one run: one list compare instead of a loop
+            first, last = blocks[0], blocks[-1]
+            consecutive = last - first == len(blocks) - 1 and blocks == list(range(first, last + 1))
+            runs = 1 if consecutive else 1 + sum(b != a + 1 for a, b in zip(blocks, blocks[1:]))
         else:
             runs = int((blocks[1:] - blocks[:-1] != 1).sum()) + 1
         if runs * MIN_RUN > count:
