@@ -404,10 +404,11 @@ class CopyPlan:
         """The copy descriptors (contiguous rows of ``cudaMemcpy3DBatchOp``) for ``pairs``: this plan's, shifted
         from its bases to theirs; with ``part``, those of runs first:end of every pair (rows are pair-major)."""
         first, end = (0, self.n_runs) if part is None else part
+        moved = False
         # The pairs this plan was made for (a staged backup's, every call) have not moved: skip four tensor ops.
-        same = pairs.dst_ptr is self.dst_ptr and pairs.src_ptr is self.src_ptr
-        d_dst, d_src = (None, None) if same else (pairs.dst_ptr - self.dst_ptr, pairs.src_ptr - self.src_ptr)
-        moved = not same and (bool(d_dst.any()) or bool(d_src.any()))
+        if pairs.dst_ptr is not self.dst_ptr or pairs.src_ptr is not self.src_ptr:
+            d_dst, d_src = pairs.dst_ptr - self.dst_ptr, pairs.src_ptr - self.src_ptr
+            moved = bool(d_dst.any()) or bool(d_src.any())
         if (first, end) == (0, self.n_runs) and not moved:
             return self.words
         # A copy, contiguous: a part of several pairs (one run each, even) is otherwise a strided view.

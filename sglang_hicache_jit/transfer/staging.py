@@ -164,10 +164,8 @@ class PageStaging:
             if starts is None:
                 return False
             blocks = (starts // self.page).tolist() if small else starts // self.page
-        if small:  # consecutive blocks (a fresh allocation) are one run: one list compare instead of a loop
-            first, last = blocks[0], blocks[-1]
-            consecutive = last - first == len(blocks) - 1 and blocks == list(range(first, last + 1))
-            runs = 1 if consecutive else 1 + sum(b != a + 1 for a, b in zip(blocks, blocks[1:]))
+        if small:
+            runs = 1 if _consecutive(blocks) else 1 + sum(b != a + 1 for a, b in zip(blocks, blocks[1:]))
         else:
             runs = int((blocks[1:] - blocks[:-1] != 1).sum()) + 1
         if runs * MIN_RUN > count:
@@ -228,7 +226,7 @@ def plan_chunks(pairs, blocks, chunk_blocks: int, max_run: int) -> tuple:
     # Consecutive host blocks (a fresh allocation, the common case) make one run per chunk, written out
     # directly: for an 8K-token backup that replaces about 200 us of tensor ops (tools/bench.py host-cost).
     if isinstance(blocks, list):
-        if blocks and blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[-1] + 1)):
+        if blocks and _consecutive(blocks):
             return _plan_consecutive(pairs, blocks[0], len(blocks), chunk_blocks, max_run)
         return _plan_chunks_of_ints(pairs, blocks, chunk_blocks, max_run)
     count = blocks.numel()
@@ -246,6 +244,12 @@ def plan_chunks(pairs, blocks, chunk_blocks: int, max_run: int) -> tuple:
     staged = runs.src_start // chunk_blocks % 2 * chunk_blocks + runs.src_start % chunk_blocks
     plan = direct.CopyPlan(pairs, direct.Runs(runs.dst_start, staged, runs.length))
     return plan, list(zip(bounds[:-1], bounds[1:]))
+
+
+def _consecutive(blocks: list) -> bool:
+    """Whether a non-empty list of ints is ``first, first + 1, ...`` (a fresh allocation): one list compare."""
+    first, last = blocks[0], blocks[-1]
+    return last - first == len(blocks) - 1 and blocks == list(range(first, last + 1))
 
 
 def _plan_chunks_of_ints(pairs, blocks: list, chunk_blocks: int, max_run: int) -> tuple:
