@@ -114,3 +114,14 @@ def session_cache(tmp_path_factory):
         os.environ.pop("SGLANG_HICACHE_JIT_CACHE_DIR", None)
     else:
         os.environ["SGLANG_HICACHE_JIT_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def copying_stand_in():
+    """The stand-in cuda:0 whose launcher and copy engines really copy (tests/fake_gpu.py's copying_device),
+    for one test: yields (the Copier, the copy engines)."""
+    import fake_gpu
+    from sglang_hicache_jit import ops
+
+    with fake_gpu.copying_device(ops) as devices:
+        yield devices

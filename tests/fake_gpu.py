@@ -373,6 +373,17 @@ def stub_copy_engines(perform: bool = False):
         direct.cuda_runtime = saved
 
 
+def random_bits(shape, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """A tensor of ``shape`` whose 16-bit words are random (any bit pattern, NaNs included), seeded."""
+    bits = torch.randint(-(1 << 15), 1 << 15, shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int16)
+    return bits.view(dtype)
+
+
+def int16_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as int16 words, so that comparisons are bit for bit (NaN equals itself)."""
+    return t.view(torch.int16)
+
+
 @contextlib.contextmanager
 def copying_device(ops):
     """The stand-in cuda:0 with a launcher and copy engines that really copy (Copier, stub_copy_engines(

@@ -24,36 +24,20 @@ from sglang_hicache_jit.transfer import extents, route
 LAYERS, PAGE, DEVICE_SLOTS = 4, 16, 512
 
 
-@pytest.fixture
-def stand_in():
-    """The stand-in device with a copying launcher and copying copy engines, for one test."""
-    with fake_gpu.copying_device(ops) as devices:
-        yield devices
-
-
-def _random(shape, seed, dtype=torch.bfloat16):
-    bits = torch.randint(-(1 << 15), 1 << 15, shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int16)
-    return bits.view(dtype)
-
-
-def _bits(t):
-    return t.view(torch.int16)
-
-
 @pytest.mark.parametrize("caches", [1, 2], ids=["mla", "mha"])
 @pytest.mark.parametrize("tokens", [16, 96, 192])
-def test_sglangs_staged_write_back_lands_bit_for_bit(stand_in, caches, tokens):
-    copier, engines = stand_in
+def test_sglangs_staged_write_back_lands_bit_for_bit(copying_stand_in, caches, tokens):
+    copier, engines = copying_stand_in
     heads, dim = (1, 64) if caches == 1 else (2, 32)
     row_bytes = heads * dim * 2
     route._verdicts[row_bytes] = True
-    device = [[fake_gpu.cuda(_random((DEVICE_SLOTS, heads, dim), 10 * c + l)) for l in range(LAYERS)]
+    device = [[fake_gpu.cuda(fake_gpu.random_bits((DEVICE_SLOTS, heads, dim), 10 * c + l)) for l in range(LAYERS)]
               for c in range(caches)]
     for layers in device:
         for t in layers:
             extents.register(t)
     tables = [fake_gpu.cuda(torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64)) for layers in device]
-    host = fake_gpu.pinned(_random((caches, 1024, LAYERS, heads, dim), 99))
+    host = fake_gpu.pinned(fake_gpu.random_bits((caches, 1024, LAYERS, heads, dim), 99))
     before = host.clone()
     # SGLang's staging buffers: 4 pages of every layer per cache, so 32-token halves and several chunks.
     memory = [fake_gpu.cuda(torch.zeros(4 * PAGE, LAYERS, heads, dim, dtype=torch.bfloat16)) for _ in range(caches)]
@@ -83,7 +67,7 @@ def test_sglangs_staged_write_back_lands_bit_for_bit(stand_in, caches, tokens):
     for c in range(caches):
         for layer in range(LAYERS):
             expected[c][host_idx, layer] = device[c][layer][device_idx.as_subclass(torch.Tensor)]
-    assert torch.equal(_bits(host.as_subclass(torch.Tensor)), _bits(expected))
+    assert torch.equal(fake_gpu.int16_bits(host.as_subclass(torch.Tensor)), fake_gpu.int16_bits(expected))
 
 
 # ---------------------------------------------------------------------------
@@ -103,18 +87,18 @@ def _table(tensors):
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_one_layer_loads_of_an_mha_pool_land_bit_for_bit(stand_in, layout):
+def test_one_layer_loads_of_an_mha_pool_land_bit_for_bit(copying_stand_in, layout):
     """SGLang 0.5.17+'s MHA load: transfer_hicache_one_layer with per-layer views of the host buffer (a strided
     view of page_first, a plain layer of layer_first), device slots and host slots on the GPU."""
-    copier, _ = stand_in
+    copier, _ = copying_stand_in
     heads, dim, host_slots = 2, 64, 40 * PAGE
     route._verdicts[heads * dim * 2] = True
     shape = (2, host_slots, LAYERS, heads, dim) if layout == "page_first" else (2, LAYERS, host_slots, heads, dim)
-    host = fake_gpu.pinned(_random(shape, 3))
+    host = fake_gpu.pinned(fake_gpu.random_bits(shape, 3))
     layers = [(host[0][:, l], host[1][:, l]) if layout == "page_first" else (host[0][l], host[1][l])
               for l in range(LAYERS)]
-    dev = [(fake_gpu.cuda(_random((DEVICE_SLOTS, heads, dim), 20 + l)),
-            fake_gpu.cuda(_random((DEVICE_SLOTS, heads, dim), 40 + l))) for l in range(LAYERS)]
+    dev = [(fake_gpu.cuda(fake_gpu.random_bits((DEVICE_SLOTS, heads, dim), 20 + l)),
+            fake_gpu.cuda(fake_gpu.random_bits((DEVICE_SLOTS, heads, dim), 40 + l))) for l in range(LAYERS)]
     h, d = _tokens(_pick(6, 40, 1)), _tokens(_pick(6, DEVICE_SLOTS // PAGE, 2))
     plain = lambda t: t.as_subclass(torch.Tensor)  # noqa: E731
     before = [(plain(k).clone(), plain(v).clone()) for k, v in dev]
@@ -128,19 +112,19 @@ def test_one_layer_loads_of_an_mha_pool_land_bit_for_bit(stand_in, layout):
         for c in range(2):
             want = before[l][c].clone()
             want[d] = plain(layers[l][c])[h]
-            assert torch.equal(_bits(plain(dev[l][c])), _bits(want)), (l, c)
+            assert torch.equal(fake_gpu.int16_bits(plain(dev[l][c])), fake_gpu.int16_bits(want)), (l, c)
 
 
-def test_all_layer_backups_through_pointer_tables_land_bit_for_bit(stand_in):
+def test_all_layer_backups_through_pointer_tables_land_bit_for_bit(copying_stand_in):
     """SGLang's layer_first MHA backup: transfer_hicache_all_layer from the device pool's tables to the host
     pool's, with the buffers registered as the plugin registers a pool's."""
-    copier, _ = stand_in
+    copier, _ = copying_stand_in
     heads, dim, host_slots = 2, 64, 40 * PAGE
     row = heads * dim * 2
     route._verdicts[row] = True
-    dev_k = [fake_gpu.cuda(_random((DEVICE_SLOTS, heads, dim), 60 + l)) for l in range(LAYERS)]
-    dev_v = [fake_gpu.cuda(_random((DEVICE_SLOTS, heads, dim), 80 + l)) for l in range(LAYERS)]
-    host = fake_gpu.pinned(_random((2, LAYERS, host_slots, heads, dim), 5))
+    dev_k = [fake_gpu.cuda(fake_gpu.random_bits((DEVICE_SLOTS, heads, dim), 60 + l)) for l in range(LAYERS)]
+    dev_v = [fake_gpu.cuda(fake_gpu.random_bits((DEVICE_SLOTS, heads, dim), 80 + l)) for l in range(LAYERS)]
+    host = fake_gpu.pinned(fake_gpu.random_bits((2, LAYERS, host_slots, heads, dim), 5))
     host_layers = [[host[c][l] for l in range(LAYERS)] for c in range(2)]
     for t in [*dev_k, *dev_v, *host_layers[0], *host_layers[1]]:
         extents.register(t)
@@ -155,20 +139,20 @@ def test_all_layer_backups_through_pointer_tables_land_bit_for_bit(stand_in):
     for l in range(LAYERS):
         before[0, l, h] = plain(dev_k[l])[d]
         before[1, l, h] = plain(dev_v[l])[d]
-    assert torch.equal(_bits(plain(host)), _bits(before))
+    assert torch.equal(fake_gpu.int16_bits(plain(host)), fake_gpu.int16_bits(before))
 
 
 @pytest.mark.parametrize("caches", [1, 2], ids=["mla", "mha"])
-def test_sgl_kernels_page_first_ops_land_bit_for_bit(stand_in, caches):
+def test_sgl_kernels_page_first_ops_land_bit_for_bit(copying_stand_in, caches):
     """sgl-kernel's names as releases before the JIT ops call them: a page_first load of one layer from the
     whole host buffer (transfer_kv_per_layer[_mla]_pf_lf) and a backup of every layer into it through the
     device pool's pointer tables (transfer_kv_all_layer[_mla]_lf_pf), host indices on the GPU."""
-    copier, engines = stand_in
+    copier, engines = copying_stand_in
     heads, dim, host_slots = 1, 64, 40 * PAGE
     row = heads * dim * 2
     route._verdicts[row] = True
-    host = [fake_gpu.pinned(_random((host_slots, LAYERS, heads, dim), 7 + c)) for c in range(caches)]
-    dev = [[fake_gpu.cuda(_random((DEVICE_SLOTS, heads, dim), 100 + 10 * c + l)) for l in range(LAYERS)]
+    host = [fake_gpu.pinned(fake_gpu.random_bits((host_slots, LAYERS, heads, dim), 7 + c)) for c in range(caches)]
+    dev = [[fake_gpu.cuda(fake_gpu.random_bits((DEVICE_SLOTS, heads, dim), 100 + 10 * c + l)) for l in range(LAYERS)]
            for c in range(caches)]
     for layers in dev:
         for t in layers:
@@ -186,7 +170,7 @@ def test_sgl_kernels_page_first_ops_land_bit_for_bit(stand_in, caches):
     ops.check_errors(synchronize=False)
     for c in range(caches):
         before[c][d] = plain(host[c])[h, 2]
-        assert torch.equal(_bits(plain(dev[c][2])), _bits(before[c])), c
+        assert torch.equal(fake_gpu.int16_bits(plain(dev[c][2])), fake_gpu.int16_bits(before[c])), c
     # A backup of every layer into other host slots.
     h2 = _tokens(_pick(6, 40, 7))
     wants = [plain(buf).clone() for buf in host]
@@ -200,27 +184,27 @@ def test_sgl_kernels_page_first_ops_land_bit_for_bit(stand_in, caches):
     for c in range(caches):
         for l in range(LAYERS):
             wants[c][h2, l] = plain(dev[c][l])[d]
-        assert torch.equal(_bits(plain(host[c])), _bits(wants[c])), c
+        assert torch.equal(fake_gpu.int16_bits(plain(host[c])), fake_gpu.int16_bits(wants[c])), c
     assert len(copier.calls) == 2 and not engines.copies  # the kernel, once each way
 
 
-def test_page_unified_round_trips_land_bit_for_bit(stand_in):
+def test_page_unified_round_trips_land_bit_for_bit(copying_stand_in):
     """compat's page_unified layouts (SGLang's unified host pages), MHA (page, head group, layer, K/V, page
     tokens, heads, dim) and MLA (page, layer, page tokens, dim): a staged backup of whole pages, then one layer
     loaded back into other device slots. Their host tables come from layout.layer_offsets and the one-layer
     loads' rows from layout.page_first_direct_map."""
     from sglang_hicache_jit.integrations import compat
 
-    copier, _ = stand_in
+    copier, _ = copying_stand_in
     plain = lambda t: t.as_subclass(torch.Tensor)  # noqa: E731
     host_pages, dev_pages = 40, DEVICE_SLOTS // PAGE
     groups, heads_in_group, dim = 2, 2, 32
     heads = groups * heads_in_group
-    dev_k = [fake_gpu.cuda(_random((DEVICE_SLOTS, heads, dim), 200 + l)) for l in range(LAYERS)]
-    dev_v = [fake_gpu.cuda(_random((DEVICE_SLOTS, heads, dim), 220 + l)) for l in range(LAYERS)]
+    dev_k = [fake_gpu.cuda(fake_gpu.random_bits((DEVICE_SLOTS, heads, dim), 200 + l)) for l in range(LAYERS)]
+    dev_v = [fake_gpu.cuda(fake_gpu.random_bits((DEVICE_SLOTS, heads, dim), 220 + l)) for l in range(LAYERS)]
     for t in [*dev_k, *dev_v]:
         extents.register(t)
-    host = fake_gpu.pinned(_random((host_pages, groups, LAYERS, 2, PAGE, heads_in_group, dim), 11))
+    host = fake_gpu.pinned(fake_gpu.random_bits((host_pages, groups, LAYERS, 2, PAGE, heads_in_group, dim), 11))
     extents.register(host)
     staging_mha = fake_gpu.cuda(torch.zeros((2, *host.shape[1:]), dtype=host.dtype))
     before = plain(host).clone()
@@ -232,7 +216,7 @@ def test_page_unified_round_trips_land_bit_for_bit(stand_in):
         for kv, src in ((0, dev_k[layer]), (1, dev_v[layer])):
             rows = plain(src)[_tokens(dp)].view(len(dp), PAGE, groups, heads_in_group, dim)
             before[hp, :, layer, kv] = rows.permute(0, 2, 1, 3, 4)
-    assert torch.equal(_bits(plain(host)), _bits(before))
+    assert torch.equal(fake_gpu.int16_bits(plain(host)), fake_gpu.int16_bits(before))
     load = _tokens(_pick(6, dev_pages, 9))
     k_before, v_before = plain(dev_k[1]).clone(), plain(dev_v[1]).clone()
     compat.transfer_hicache_one_layer_page_unified_lf(dev_k[1], dev_v[1], host, fake_gpu.cuda(_tokens(hp)),
@@ -240,13 +224,13 @@ def test_page_unified_round_trips_land_bit_for_bit(stand_in):
     ops.check_errors(synchronize=False)
     for kv, dst, old in ((0, dev_k[1], k_before), (1, dev_v[1], v_before)):
         old[load] = plain(host)[hp, :, 1, kv].permute(0, 2, 1, 3, 4).reshape(-1, heads, dim)
-        assert torch.equal(_bits(plain(dst)), _bits(old)), kv
+        assert torch.equal(fake_gpu.int16_bits(plain(dst)), fake_gpu.int16_bits(old)), kv
     # MLA
     mla_dim = 64
-    dev = [fake_gpu.cuda(_random((DEVICE_SLOTS, 1, mla_dim), 300 + l)) for l in range(LAYERS)]
+    dev = [fake_gpu.cuda(fake_gpu.random_bits((DEVICE_SLOTS, 1, mla_dim), 300 + l)) for l in range(LAYERS)]
     for t in dev:
         extents.register(t)
-    host_mla = fake_gpu.pinned(_random((host_pages, LAYERS, PAGE, mla_dim), 13))
+    host_mla = fake_gpu.pinned(fake_gpu.random_bits((host_pages, LAYERS, PAGE, mla_dim), 13))
     extents.register(host_mla)
     staging_mla = fake_gpu.cuda(torch.zeros((3, LAYERS, PAGE, mla_dim), dtype=host_mla.dtype))
     before = plain(host_mla).clone()
@@ -256,12 +240,12 @@ def test_page_unified_round_trips_land_bit_for_bit(stand_in):
     ops.check_errors(synchronize=False)
     for layer in range(LAYERS):
         before[hp, layer] = plain(dev[layer])[_tokens(dp)].view(len(dp), PAGE, mla_dim)
-    assert torch.equal(_bits(plain(host_mla)), _bits(before))
+    assert torch.equal(fake_gpu.int16_bits(plain(host_mla)), fake_gpu.int16_bits(before))
     load = _tokens(_pick(5, dev_pages, 12))
     old = plain(dev[2]).clone()
     compat.transfer_hicache_one_layer_mla_page_unified_lf(dev[2], host_mla, fake_gpu.cuda(_tokens(hp)),
                                                           fake_gpu.cuda(load), 2)
     ops.check_errors(synchronize=False)
     old[load] = plain(host_mla)[hp, 2].reshape(-1, 1, mla_dim)
-    assert torch.equal(_bits(plain(dev[2])), _bits(old))
+    assert torch.equal(fake_gpu.int16_bits(plain(dev[2])), fake_gpu.int16_bits(old))
     assert copier.calls
