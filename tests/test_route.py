@@ -9,6 +9,7 @@ operation, and the decision tables.
 import pytest
 import torch
 
+from sglang_hicache_jit.errors import TransferIndexError
 from sglang_hicache_jit.integrations.sglang import ops as routed
 from sglang_hicache_jit.integrations.sglang import pools as hooks
 from sglang_hicache_jit.transfer import bounds, checks, direct, host_pool, layout, route
@@ -200,3 +201,85 @@ def test_layout_maps_are_plan_keys():
     assert a != layout.token_rows("page_first_direct", layers=2, page_size=16, slots=1024)
     assert layout.token_rows("page_first", layers=4, page_size=16, slots=1024) is None
     assert a(torch.tensor([0, 17, -1])).tolist() == [0, 65, -1]
+
+
+# ---------------------------------------------------------------------------
+# SGLang's io_backend='direct': small copies take the kernel at SMALL_COPY_CTAS, not the copy engines.
+
+def _direct_pairs(row_elems: int, *, host_strided: bool = False, pinned: bool = True):
+    import fake_gpu
+
+    device = fake_gpu.cuda(torch.zeros((64, row_elems), dtype=torch.int32))
+    host = torch.zeros((64, 2, row_elems) if host_strided else (64, row_elems), dtype=torch.int32)
+    host = host[:, 1] if host_strided else host
+    return direct.Pairs([(device, fake_gpu.pinned(host) if pinned else host)])
+
+
+def test_small_direct_copies_take_the_kernel_where_it_works(monkeypatch):
+    monkeypatch.setattr(route, "_verdicts", {1152: True, 512: True, 656: False})
+    small = _direct_pairs(288)  # 1152-B rows
+    assert route.small_copies(small, page_size=1)
+    assert route.small_copies(small, page_size=32)                    # 36 KiB pages
+    assert not route.small_copies(small, page_size=64)                # 72 KiB pages: the copy engines
+    assert route.small_copies(_direct_pairs(288, host_strided=True), page_size=64)  # page_first: one row a copy
+    assert not route.small_copies(_direct_pairs(164), page_size=1)    # 656 B: the probe says no
+    assert not route.small_copies(_direct_pairs(288, pinned=False))   # pageable host memory
+    both_host = direct.Pairs([(torch.zeros((8, 288), dtype=torch.int32), torch.zeros((8, 288), dtype=torch.int32))])
+    assert not route.small_copies(both_host)
+    with route.copy_engines_only():                                   # the tests' scope: every copy
+        assert not route.small_copies(small)
+    with route.copy_engines_only(small_copies_on_kernel=True):       # SGLang's 'direct' held to the engines
+        assert route.small_copies(small) and route.in_direct_scope()
+    assert not route.in_direct_scope()
+
+
+@pytest.mark.parametrize("scope", ["none", "engines-only", "direct"])
+def test_routed_direct_ops_send_small_copies_to_the_kernel_at_one_cta(monkeypatch, scope):
+    """transfer_kv_direct (SGLang's 'direct') and a routed kernel op inside the 'direct' scope run the kernel
+    at SMALL_COPY_CTAS for 1152-B rows; a plain copy_engines_only() block and the kernel ops outside any
+    scope keep their paths (the copy engines, the kernel at its default)."""
+    import contextlib
+
+    import fake_gpu
+
+    monkeypatch.setattr(route, "_verdicts", {1152: True})
+    kernel, engines = [], []
+    monkeypatch.setattr(routed.ops, "transfer_one_layer_mla",
+                        lambda dst, di, src, si, block_quota=None, **k: kernel.append((dst, di, src, si, block_quota)))
+    monkeypatch.setattr(route, "copy", lambda *a, **k: engines.append(a))
+    device = fake_gpu.cuda(torch.zeros((64, 288), dtype=torch.int32))
+    host = fake_gpu.pinned(torch.zeros((64, 288), dtype=torch.int32))
+    h, d = torch.tensor([5, 1, 9]), torch.tensor([0, 7, 3])
+    context = {"none": contextlib.nullcontext(), "engines-only": route.copy_engines_only(),
+               "direct": route.copy_engines_only(small_copies_on_kernel=True)}[scope]
+    with context:
+        routed.transfer_kv_direct([host], [device], h, d, page_size=1)
+    if scope == "engines-only":
+        assert engines and not kernel
+    else:
+        assert not engines and len(kernel) == 1 and kernel[0][4] == route.SMALL_COPY_CTAS
+        assert kernel[0][0] is not None and torch.equal(kernel[0][1], d) and torch.equal(kernel[0][3], h)
+
+
+def test_a_small_page_first_direct_load_maps_host_tokens_to_rows_for_the_kernel(monkeypatch):
+    """transfer_kv_per_layer_direct_pf_lf with 8-token pages of 1152-B rows: the kernel gets the host rows
+    (t // P) * L * P + t % P of the layer's view, and a token past the buffer raises before any launch."""
+    import fake_gpu
+
+    monkeypatch.setattr(route, "_verdicts", {1152: True})
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: True)  # the layer's view of a pinned
+    launched = []                                                                   # buffer (a fake's view is not)
+    monkeypatch.setattr(routed.ops, "transfer_one_layer_mla",
+                        lambda dst, di, src, si, block_quota=None, **k: launched.append((di, si, block_quota)))
+    layers, page, pages = 3, 8, 4
+    host = fake_gpu.pinned(torch.zeros((pages, layers, page, 288), dtype=torch.int32))
+    device = fake_gpu.cuda(torch.zeros((64, 288), dtype=torch.int32))
+    tokens = torch.tensor([0, 9, 17, 31])
+    routed.transfer_kv_per_layer_direct_pf_lf([host], [device], tokens, torch.tensor([1, 2, 3, 4]), 1, page)
+    (dst_idx, src_idx, quota), = launched
+    assert quota == route.SMALL_COPY_CTAS and dst_idx.tolist() == [1, 2, 3, 4]
+    assert src_idx.tolist() == [(t // page) * layers * page + t % page for t in tokens.tolist()]
+    with pytest.raises(TransferIndexError, match="src_indices"):
+        routed.transfer_kv_per_layer_direct_pf_lf([host], [device], torch.tensor([pages * page]), torch.tensor([0]),
+                                                  1, page)
+    assert len(launched) == 1

@@ -250,7 +250,8 @@ def test_a_per_layer_direct_load_is_planned_once_for_all_layers(monkeypatch):
     monkeypatch.setattr(sglang_ops.direct, "CopyPlan", lambda *a: made.append(1) or real(*a))
     expected = [t.clone() for t in dev]
     for layer in range(LAYERS):
-        sglang_ops.transfer_kv_per_layer_direct_pf_lf([host], [dev[layer]], h, d, layer, PAGE)
+        with sglang_ops.copy_engines_only():  # 9 KiB pages would take the kernel at one CTA (the next tests)
+            sglang_ops.transfer_kv_per_layer_direct_pf_lf([host], [dev[layer]], h, d, layer, PAGE)
         expected[layer][d] = host[hp, layer].reshape(-1, 1, dim).cuda()
     torch.cuda.synchronize()
     assert len(made) == 1
@@ -354,3 +355,48 @@ def test_two_pools_sharing_one_staging_memory_back_up_without_loss(monkeypatch):
     for host, want in zip(hosts, expected):
         assert same(host, want)
     sglang_ops.reset()
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("indices", ["cpu", "cuda"])
+def test_small_direct_copies_run_on_the_kernel_bit_for_bit(page, indices, monkeypatch):
+    """SGLang's io_backend='direct' with copies under SMALL_COPY_BYTES (1152-B rows one at a time, or 18 KiB
+    pages): transfer_kv_direct (layer_first) and the page_first_direct pair run the kernel at one CTA, never the
+    copy engines, and land every row where torch indexing puts it, nothing else touched."""
+    from sglang_hicache_jit.transfer import route
+
+    def no_copy_engines(*args, **kwargs):
+        raise AssertionError("a small 'direct' copy went to the copy engines")
+
+    monkeypatch.setattr(route, "copy", no_copy_engines)
+    dim, pages = 576, 24
+    on = (lambda t: t.cuda()) if indices == "cuda" else (lambda t: t)
+    host_lf = rand((pages * page, 1, dim), pin=True)
+    dev = [rand((DEV_PAGES * page, 1, dim), device="cuda") for _ in range(LAYERS)]
+    hp, dp = pick(7, pages, 51), pick(7, DEV_PAGES, 52)
+    h = (hp[:, None] * page + torch.arange(page)).reshape(-1)
+    d = (dp[:, None] * page + torch.arange(page)).reshape(-1)
+    want_host = host_lf.clone()
+    sglang_ops.transfer_kv_direct([dev[0]], [host_lf], on(d), on(h), page)   # a backup of one layer
+    torch.cuda.synchronize()
+    want_host[h] = dev[0][d.cuda()].cpu()
+    assert same(host_lf, want_host)
+    want_dev = dev[1].clone()
+    sglang_ops.transfer_kv_direct([host_lf], [dev[1]], on(h), on(d), page)   # and a load
+    torch.cuda.synchronize()
+    want_dev[d.cuda()] = host_lf[h].cuda()
+    assert same(dev[1], want_dev)
+    if page == 1:
+        return
+    host_pfd = rand((pages, LAYERS, page, 1, dim), pin=True)
+    want_pfd = host_pfd.clone()
+    sglang_ops.transfer_kv_all_layer_direct_lf_pf(dev, [host_pfd], on(d), on(h), page)
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        want_pfd[hp, layer] = dev[layer][d.cuda()].view(len(hp), page, 1, dim).cpu()
+    assert same(host_pfd, want_pfd)
+    want_dev = dev[2].clone()
+    sglang_ops.transfer_kv_per_layer_direct_pf_lf([host_pfd], [dev[2]], on(h), on(d), 1, page)
+    torch.cuda.synchronize()
+    want_dev[d.cuda()] = host_pfd[hp, 1].reshape(-1, 1, dim).cuda()
+    assert same(dev[2], want_dev)

@@ -59,6 +59,22 @@ def test_pool_line_names_the_path_of_each_io_backend(layout, path, expected):
     from sglang_hicache_jit.integrations.sglang.pools import paths_by_backend
 
     assert paths_by_backend(layout, path) == expected
+    assert paths_by_backend(layout, path, 1 << 20) == expected  # copies of 1 MiB: as without a size
+
+
+@pytest.mark.parametrize("layout, expected", [
+    ("page_first", "the JIT kernel with io_backend=kernel, the JIT kernel at 1 CTA (1152-B copies) with "
+                   "io_backend=direct"),
+    ("page_first_direct", "the JIT kernel at 1 CTA (1152-B copies) with either io_backend (page_first_direct "
+                          "moves whole pages)"),
+])
+def test_pool_line_names_the_one_cta_kernel_for_small_direct_copies(layout, expected):
+    from sglang_hicache_jit.integrations.sglang.pools import _direct_copy_bytes, paths_by_backend
+
+    pool = type("Pool", (), {"page_size": 1})()
+    assert paths_by_backend(layout, "kernel", _direct_copy_bytes(pool, layout, 1152)) == expected
+    assert _direct_copy_bytes(type("Pool", (), {"page_size": 64})(), "layer_first", 1152) == 64 * 1152
+    assert _direct_copy_bytes(type("Pool", (), {"page_size": 64})(), "page_first", 1152) == 1152
 
 
 # ---------------------------------------------------------------------------
@@ -127,8 +143,8 @@ def test_start_line_reaches_a_log_configured_after_the_plugins(standin):
     assert len(start) == 1, "\n".join(lines[-40:])  # once per process, not once per pool
     assert mark[0] < start[0] < pools[0] and len(pools) == 2  # kept until the first pool, then shown
     assert "routing" in lines[start[0]] and lines[start[0]].startswith("INFO sglang_hicache_jit.plugin")
-    assert lines[pools[0]].endswith("transfers through the JIT kernel with io_backend=kernel, the copy engines "
-                                    "with io_backend=direct")
+    assert lines[pools[0]].endswith("transfers through the JIT kernel with io_backend=kernel, the JIT kernel at 1 "
+                                    "CTA (1152-B copies) with io_backend=direct")  # page_first: a row a copy
 
 
 @pytest.mark.slow

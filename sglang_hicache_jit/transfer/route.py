@@ -7,7 +7,9 @@ measurement it rests on beside it:
 * the probe's verdict: ``pool_path`` (a host pool's path, once, at construction) and ``kernel_works``
   (per row size and process, for the routed ops);
 * the copy-engines-only scope: ``copy_engines_only()``, a block in which every routed transfer takes the
-  copy engines, and ``kernel_available``, the verdict under it;
+  copy engines (or, for SGLang's io_backend='direct', all but the small copies), and ``kernel_available``,
+  the verdict under it;
+* small copies: ``SMALL_COPY_BYTES`` and ``small_copies``, the copies 'direct' gives the kernel at one CTA;
 * the ``auto`` policy: ``AUTO_PATHS`` and ``auto_path``; ``io_path`` maps every ``io_backend`` of a host
   pool to a path, ``hook_path`` the backends of SGLang's per-layer hooks;
 * staging: ``pool_stages`` and ``routed_stages``, which backups go through the device staging area;
@@ -80,14 +82,21 @@ _engines_only = contextvars.ContextVar("sglang_hicache_jit_copy_engines_only", d
 
 
 @contextlib.contextmanager
-def copy_engines_only():
-    """Within this block every routed transfer uses the copy engines (a pool asked for io_backend='direct'
-    on a layout whose direct branch it lacks, so its kernel branch runs, held to the copy engines)."""
-    token = _engines_only.set(True)
+def copy_engines_only(*, small_copies_on_kernel: bool = False):
+    """Within this block every routed transfer uses the copy engines. With ``small_copies_on_kernel`` the
+    block means SGLang's io_backend='direct' (a pool asked for it on a layout whose direct branch it lacks,
+    so its kernel branch runs, held to the copy engines): copies under SMALL_COPY_BYTES then take the kernel
+    at SMALL_COPY_CTAS as io_path's 'direct' does (``small_copies``); without it, every copy (tests)."""
+    token = _engines_only.set("direct" if small_copies_on_kernel else True)
     try:
         yield
     finally:
         _engines_only.reset(token)
+
+
+def in_direct_scope() -> bool:
+    """Whether this is a copy_engines_only(small_copies_on_kernel=True) block."""
+    return _engines_only.get() == "direct"
 
 
 def kernel_available(row_bytes: int, *, before_probe=None) -> bool:
@@ -137,6 +146,25 @@ SMALL_COPY_BYTES = 64 * 1024
 SMALL_COPY_CTAS = 1
 
 IO_BACKENDS = ("kernel", "direct", "auto", "resident")
+
+
+def small_copies(pairs: direct.Pairs, page_size: int = 1, *, before_probe=None) -> bool:
+    """Whether SGLang's io_backend='direct' copies of ``pairs`` (tokens in pages of ``page_size``) take the
+    kernel at SMALL_COPY_CTAS rather than the copy engines one copy at a time, the rule io_path applies to
+    'direct' for this package's pools: each copy under SMALL_COPY_BYTES (a page of a layer where both sides
+    keep its rows back to back, else one row), every pair between a GPU tensor and pinned host memory (not
+    raw addresses, whose allocations the kernel path does not take as tensors), and the probe saying the
+    kernel works for the rows. Never inside a plain copy_engines_only() block."""
+    if _engines_only.get() is True or pairs.device is None or pairs.pageable:
+        return False
+    for dst, src in zip(pairs.dst, pairs.src):
+        if dst.tensor is None or src.tensor is None or (dst.device is None) == (src.device is None):
+            return False
+    row_bytes = int(pairs.row_bytes[0])
+    if any(int(b) != row_bytes for b in pairs.row_bytes):
+        return False
+    copy_bytes = row_bytes * page_size if bool(pairs.packed.all()) else row_bytes
+    return copy_bytes < SMALL_COPY_BYTES and kernel_works(row_bytes, before_probe=before_probe)
 
 
 def auto_path(operation: str, *, kernel_ok: bool, copy_bytes: int = 0, indices_on_host: bool = False,

@@ -100,15 +100,35 @@ def _raw_pairs(dst_table, src_table, dst_stride: int, src_stride: int, row_bytes
 
 
 def _copy(pairs, indices_dst, indices_src, *, page_size: int = 1, dst_rows=None, src_rows=None,
-          names: tuple = ("indices_dst", "indices_src")) -> None:
+          names: tuple = ("indices_dst", "indices_src"), direct_backend: bool = False) -> None:
     """The copy engines (route.copy: planned once per index bytes, so the layers of one load share a plan),
     after checking the indices once: integer tensors on the CPU or the pairs' GPU (bounds.py), ``names``
-    naming them. ``dst_rows`` / ``src_rows``: a side's layout.TokenRows."""
+    naming them. ``dst_rows`` / ``src_rows``: a side's layout.TokenRows. For SGLang's io_backend='direct'
+    (``direct_backend``, or a copy_engines_only(small_copies_on_kernel=True) block) copies that the copy
+    engines would take one small copy at a time go to the kernel at SMALL_COPY_CTAS (route.small_copies)."""
     pairs = direct.Pairs(pairs)
     bounds.check_index_tensor(names[0], indices_dst, pairs.device)
     bounds.check_index_tensor(names[1], indices_src, pairs.device)
     direct.same_length(indices_dst, indices_src, names)
+    if ((direct_backend or route.in_direct_scope())
+            and route.small_copies(pairs, page_size, before_probe=announce.flush)):
+        _small_copies(pairs, indices_dst, indices_src, dst_rows, src_rows)
+        return
     route.copy(pairs, indices_dst, indices_src, page_size=page_size, dst_map=dst_rows, src_map=src_rows)
+
+
+def _small_copies(pairs: direct.Pairs, indices_dst, indices_src, dst_map, src_map) -> None:
+    """Every pair through the kernel at SMALL_COPY_CTAS CTA, the token maps applied to the indices first (a
+    token outside its buffer raises, or on the GPU becomes a row the kernel refuses)."""
+    dst_idx = indices_dst if dst_map is None else dst_map(indices_dst)
+    src_idx = indices_src if src_map is None else src_map(indices_src)
+    for dst, src in zip(pairs.dst, pairs.src):
+        ops.transfer_one_layer_mla(_rows2d(dst.tensor), dst_idx, _rows2d(src.tensor), src_idx,
+                                   block_quota=route.SMALL_COPY_CTAS)
+
+
+def _rows2d(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 2 else t.view(t.shape[0], -1)
 
 
 def _view_rows(t: torch.Tensor, row_elems: int) -> torch.Tensor:
@@ -704,7 +724,7 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
     if len(src_layers) != len(dst_layers):
         raise ValueError(f"src_layers has {len(src_layers)} tensors but dst_layers has {len(dst_layers)}")
     _copy([(_rows_of(d), _rows_of(s)) for d, s in zip(dst_layers, src_layers)], dst_indices, src_indices,
-          page_size=page_size, names=("dst_indices", "src_indices"))
+          page_size=page_size, names=("dst_indices", "src_indices"), direct_backend=True)
 
 
 def _rows_of(t: torch.Tensor) -> torch.Tensor:
@@ -737,7 +757,7 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
         flat, to_rows, rows_per_page = page_first_direct_rows(host, layer_id, f"src_ptrs[{i}]", "src_indices")
         pairs.append((_rows_of(dev), flat))
     _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, src_rows=to_rows,
-          names=("dst_indices", "src_indices"))
+          names=("dst_indices", "src_indices"), direct_backend=True)
 
 
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
@@ -752,7 +772,7 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
             flat, to_rows, rows_per_page = page_first_direct_rows(host, layer, f"dst_ptrs[{b}]", "dst_indices")
             pairs.append((flat, _rows_of(src_ptrs[b * layers_per_buffer + layer])))
     _copy(pairs, dst_indices, src_indices, page_size=rows_per_page, dst_rows=to_rows,
-          names=("dst_indices", "src_indices"))
+          names=("dst_indices", "src_indices"), direct_backend=True)
 
 
 KVCACHEIO_OPS = (

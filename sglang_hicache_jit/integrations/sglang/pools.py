@@ -124,7 +124,7 @@ def _run(original, self, args, io_backend, kwargs):
     register_pool(args[0], DEVICE_POOL_LAYER_LISTS)  # the device pool these methods take
     backend, engines_only = _normalized(self.layout, io_backend)
     if engines_only:
-        with route.copy_engines_only():
+        with route.copy_engines_only(small_copies_on_kernel=True):  # what io_backend='direct' means (route.io_path)
             return original(self, *args, backend, **kwargs)
     return original(self, *args, backend, **kwargs)
 
@@ -149,15 +149,19 @@ def backup_from_device_all_layer(original, self, device_pool, host_indices, devi
 def _copy_layer(host_rows, host_index, device_rows, device_index, *, io_backend: str, row_bytes: int,
                 to_rows=None, page_size: int = 1) -> None:
     """One layer, device -> host: through the kernel when asked and available (route.hook_path), else the copy
-    engines, planned once per index bytes (route.copy: the layers of one layer-sharded backup share a plan).
+    engines, planned once per index bytes (route.copy: the layers of one layer-sharded backup share a plan),
+    except copies the copy engines would take one small copy at a time (route.small_copies).
     ``to_rows`` maps host token indices to rows of ``host_rows`` (a layout.TokenRows; None: the identity)."""
-    if route.hook_path(io_backend, row_bytes, before_probe=announce.flush) == "kernel":
-        ops.transfer_one_layer_mla(host_rows, host_index if to_rows is None else to_rows(host_index), device_rows,
-                                   device_index)
-    else:
+    quota = None  # the kernel's measured default
+    if route.hook_path(io_backend, row_bytes, before_probe=announce.flush) != "kernel":
         direct.check_pair(host_index, device_index)
-        route.copy(direct.Pairs([(host_rows, device_rows)]), host_index, device_index, page_size=page_size,
-                   dst_map=to_rows)
+        pairs = direct.Pairs([(host_rows, device_rows)])
+        if not route.small_copies(pairs, page_size, before_probe=announce.flush):
+            route.copy(pairs, host_index, device_index, page_size=page_size, dst_map=to_rows)
+            return
+        quota = route.SMALL_COPY_CTAS  # 'direct' copies under SMALL_COPY_BYTES: the kernel at a CTA budget of 1
+    ops.transfer_one_layer_mla(host_rows, host_index if to_rows is None else to_rows(host_index), device_rows,
+                               device_index, block_quota=quota)
 
 
 # ---------------------------------------------------------------------------
@@ -300,26 +304,39 @@ def describe_pool(result, self, *args, **kwargs):
     try:
         row_bytes = _row_bytes_of(self)
         layout = getattr(self, "layout", "?")
+        path = routed.path_for(row_bytes) if row_bytes else "unknown"
+        copy_bytes = _direct_copy_bytes(self, layout, row_bytes) if row_bytes else None
         log.info("sglang-hicache-jit: %s (layout=%s, %s B rows) transfers through %s", type(self).__name__, layout,
-                 row_bytes, paths_by_backend(layout, routed.path_for(row_bytes) if row_bytes else "unknown"))
+                 row_bytes, paths_by_backend(layout, path, copy_bytes))
     except Exception as exc:  # a log line must never break a pool
         log.debug("sglang-hicache-jit: could not describe %s: %s", type(self).__name__, exc)
     return result
 
 
-def paths_by_backend(layout: str, row_path: str) -> str:
-    """What runs for each io_backend: 'direct' always uses the copy engines (the routed direct ops and the
-    per-layer hooks do), 'kernel' the JIT kernel where its rows have it, except on page_first_direct,
-    whose kernel requests the pool serves through its direct branch."""
-    if row_path == "kernel" and layout != "page_first_direct":
-        return "the JIT kernel with io_backend=kernel, the copy engines with io_backend=direct"
-    if row_path == "kernel":
-        why = "page_first_direct moves whole pages"
-    elif row_path == "direct":
-        why = "the JIT kernel is not used for these rows"
+def paths_by_backend(layout: str, row_path: str, copy_bytes: int | None = None) -> str:
+    """What runs for each io_backend: 'kernel' the JIT kernel where its rows have it, except on
+    page_first_direct, whose kernel requests the pool serves through its direct branch; 'direct' the copy
+    engines, or the kernel at one CTA where each copy (``copy_bytes``: a page of a layer, or one row of a
+    page_first layer) is under route.SMALL_COPY_BYTES (route.small_copies)."""
+    if row_path != "kernel":
+        why = "the JIT kernel is not used for these rows" if row_path == "direct" else "row size unknown"
+        return f"the copy engines with either io_backend ({why})"
+    if copy_bytes is not None and copy_bytes < route.SMALL_COPY_BYTES:
+        direct_path = f"the JIT kernel at {route.SMALL_COPY_CTAS} CTA ({copy_bytes}-B copies)"
     else:
-        why = "row size unknown"
-    return f"the copy engines with either io_backend ({why})"
+        direct_path = "the copy engines"
+    if layout == "page_first_direct":
+        return f"{direct_path} with either io_backend (page_first_direct moves whole pages)"
+    return f"the JIT kernel with io_backend=kernel, {direct_path} with io_backend=direct"
+
+
+def _direct_copy_bytes(pool, layout: str, row_bytes: int) -> int | None:
+    """One 'direct' copy's bytes for this pool: a page of a layer, or one row where the host layout strides
+    a layer's rows (page_first)."""
+    page = getattr(pool, "page_size", None)
+    if layout == "page_first":
+        return row_bytes
+    return row_bytes * page if isinstance(page, int) and page > 0 else None
 
 
 def _row_bytes_of(pool) -> int | None:
