@@ -62,6 +62,27 @@ def test_layered_runs_through_on_the_cpu_bit_exact(bench, tmp_path, capsys, besi
     assert 0 <= row["first_ms"] <= row["load_ms"] and row["device_ms"] > 0 and row["host_ms"] > 0
 
 
+@pytest.mark.parametrize("group", [1, 2])
+def test_layered_staged_providers_load_every_layer_bit_exact_on_the_cpu(group):
+    """The group-load providers (staged-gN) through the staging area on CPU tensors (the torch.cuda stream and
+    event calls stubbed): layer i's call loads the group at its first layer and nothing at the others, and
+    the whole pass is bit-exact."""
+    import argparse
+
+    import fake_gpu
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchmarks import layered
+
+    args = argparse.Namespace(tokens=8192, page=64, extend=128, providers=["staged-g8"], beside="none", reps=7,
+                              smoke=True)
+    s = layered.Setup(args)
+    with fake_gpu.stub_streams():
+        transfers = s._staged(group)
+        assert len(transfers) == s.layers
+        assert s.exact(transfers)
+
+
 def test_the_device_script_runs_only_commands_that_parse(bench, tmp_path):
     """Every tools/bench.py command tools/gpu_bench.sh would run (DRY=1 prints them) is accepted as written."""
     if not shutil.which("bash"):

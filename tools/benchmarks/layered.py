@@ -13,8 +13,10 @@ and V row of the layer (two bf16 matmuls over them), so it cannot start before i
 
 Providers: ``bulk`` (this package's default for host-to-GPU: bulk copies, 4 CTAs, a whole multiprocessor's
 shared memory each), ``bulk-q2``, ``plain`` (the plain copy loop, 8 CTAs, no shared memory), ``plain-q2``,
-``resident`` (CTAs kept on the GPU, fed by a queue), and ``upstream`` (SGLang's own kernel, where importable:
-sglang_hicache_jit/bench/upstream.py). ``--beside decode`` runs decode-like steps (a batch of 32 tokens
+``resident`` (CTAs kept on the GPU, fed by a queue), ``upstream`` (SGLang's own kernel, where importable:
+sglang_hicache_jit/bench/upstream.py), and ``staged-g8`` / ``staged-g32`` (group loads, transfer/staged_loads.py:
+8 or all 32 layers' part of whole host blocks on the copy engines into the staging area, then one scatter launch
+per chunk; host slots read on the host, as SGLang's ``direct`` backend passes them). ``--beside decode`` runs decode-like steps (a batch of 32 tokens
 through the same weights, back to back) on a third stream all along, as a server's running batch does.
 
 Per provider and rep (the providers interleaved): the forward pass's end after the start (``host_ms``), the
@@ -31,7 +33,7 @@ import time
 LAYERS, HEADS, HEAD_DIM, HIDDEN, INTER = 32, 8, 128, 4096, 14336
 KV_DIM = HEADS * HEAD_DIM  # bf16 elements per K (or V) row: 2048 B
 DECODE_BATCH = 32
-PROVIDERS = ("bulk", "bulk-q2", "plain", "plain-q2", "resident", "upstream")
+PROVIDERS = ("bulk", "bulk-q2", "plain", "plain-q2", "resident", "upstream", "staged-g8", "staged-g32")
 _OURS = {"bulk": ("bulk", None), "bulk-q2": ("bulk", 2), "plain": ("plain", None), "plain-q2": ("plain", 2),
          "resident": ("resident", None)}
 
@@ -76,6 +78,7 @@ class Setup:
         host_idx = (pages[:, None] * args.page + torch.arange(args.page)).reshape(-1)
         dev_idx = torch.randperm(slots, generator=gen)[:args.tokens]
         self.host_idx, self.dev_idx = host_idx.to(self.device), dev_idx.to(self.device)
+        self.host_idx_cpu = host_idx  # the staged loads plan their copies from the host slots on the host
         w = dict(dtype=torch.bfloat16, device=self.device)
         scale = self.hidden ** -0.5
         self.w_qkv = torch.randn(self.hidden, self.hidden + 2 * KV_DIM, **w) * scale
@@ -128,6 +131,8 @@ class Setup:
                           device_slots=dev[0][0].shape[0])
             return [upstream.build_call(up, "upstream", pools, "one", True, i, self.host_idx, self.dev_idx,
                                         self.args.page, self.layers) for i in range(self.layers)]
+        if provider.startswith("staged-g"):
+            return self._staged(int(provider[len("staged-g"):]))
         from sglang_hicache_jit.transfer import ops
 
         method, quota = _OURS[provider]
@@ -135,6 +140,23 @@ class Setup:
         def call(i):
             ops.transfer_one_layer(self.dev[0][i], self.dev[1][i], self.dev_idx, self.host[0][:, i],
                                    self.host[1][:, i], self.host_idx, method=method, block_quota=quota)
+        return [lambda i=i: call(i) for i in range(self.layers)]
+
+    def _staged(self, group: int) -> list:
+        """Group loads (transfer/staged_loads.py): layer i's call loads layers i..i+group-1 when i is a
+        multiple of ``group`` (whole host blocks of those layers on the copy engines into the staging area, then
+        one scatter launch) and has nothing left to do otherwise, as SGLang calls a pool layer by layer."""
+        from sglang_hicache_jit import settings
+        from sglang_hicache_jit.transfer import staging
+        from sglang_hicache_jit.transfer.staged_loads import GroupLoads
+
+        area = staging.PageStaging(self.host, budget_bytes=settings.staging_bytes(), device=self.device,
+                                   device_rows=self.dev[0][0].shape[0], gather=staging.torch_gather(self.dev))
+        loads = GroupLoads(area, self.dev)
+
+        def call(i):
+            if i % group == 0 and not loads.load(self.host_idx_cpu, self.dev_idx, i, min(group, self.layers - i)):
+                raise RuntimeError("the staging area declined the load (host slots not in runs)")
         return [lambda i=i: call(i) for i in range(self.layers)]
 
     def exact(self, transfers) -> bool:
