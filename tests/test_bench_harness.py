@@ -48,7 +48,7 @@ def test_every_workload_parses_its_defaults(bench, name):
     assert args.workload == name and args.out is None
 
 
-@pytest.mark.parametrize("beside", ["none", "decode"])
+@pytest.mark.parametrize("beside", ["none", "decode", "matmul"])
 def test_layered_runs_through_on_the_cpu_bit_exact(bench, tmp_path, capsys, beside):
     """The host-hit stand-in: the per-layer loads, the forward pass that waits for each layer, the device hit
     beside it, one row per provider with the gap between them (times meaningless on the CPU)."""
