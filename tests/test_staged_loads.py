@@ -136,3 +136,87 @@ def test_device_layers_must_match_the_host_buffer():
         GroupLoads(area, device[:1])
     with pytest.raises(ValueError, match="6 layers per cache"):
         GroupLoads(area, [layers[:-1] for layers in device])
+
+
+# ---------------------------------------------------------------------------
+# A host pool's load_to_device_per_layer with load_group (HostKVPool, transfer/host_pool.py).
+
+def _pool(kind: str, layout: str, page: int, *, sharded: bool = False, seed: int = 0):
+    from test_host_pool import fill_random, host_caches, make_device_pool, make_host_pool
+
+    gen = torch.Generator().manual_seed(seed)
+    device_pool = make_device_pool(kind, 1152 if kind == "mla" else 656, gen, sharded=sharded, layers=6)
+    pool = make_host_pool(device_pool, size=1024, page_size=page, layout=layout)
+    for buf in host_caches(pool):
+        fill_random(buf, gen)
+    pool._stages = lambda: True  # a CPU pool is never pinned, so it never stages: here it must
+    pool.staging_bytes = 2 * 8 * page * pool.layer_num * pool.row_bytes * pool.num_caches  # 8 pages a buffer
+    return gen, device_pool, pool
+
+
+def _expected_layer(pool, device_pool, host_idx, device_idx, layer):
+    from test_host_pool import device_caches, get_host_rows, host_caches
+
+    start = pool.owned_layers[0]
+    out = []
+    for cache, buf in zip(device_caches(device_pool), host_caches(pool)):
+        want = cache[layer].clone()
+        want[device_idx] = get_host_rows(buf, pool.layout, pool.page_size, layer - start, host_idx)
+        out.append(want)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+@pytest.mark.parametrize("layout, page", [("page_first", 16), ("page_first_direct", 16)])
+@pytest.mark.parametrize("group", [2, 3, 6])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_pool_loads_layer_by_layer_through_group_loads_bit_for_bit(kind, layout, page, group, sharded):
+    """SGLang's loop (every owned layer in order, the same indices): each layer lands exactly, the group's
+    first layer loads the group, and the others move nothing themselves."""
+    from test_host_pool import device_caches
+
+    gen, device_pool, pool = _pool(kind, layout, page, sharded=sharded, seed=group)
+    pool.load_group = group
+    host_idx = pool.alloc(20 * page)
+    device_idx = torch.randperm(384, generator=gen)[:host_idx.numel()]
+    start, end = pool.owned_layers
+    expected = {layer: _expected_layer(pool, device_pool, host_idx, device_idx, layer) for layer in range(start, end)}
+    ran = []
+    for layer in range(6):
+        pool.load_to_device_per_layer(device_pool, host_idx, device_idx, layer, "direct")
+        ran.append(pool.last_direct_mode)
+    for layer in range(start, end):
+        for cache, want in zip(device_caches(device_pool), expected[layer]):
+            assert torch.equal(cache[layer].view(torch.uint8), want.view(torch.uint8)), layer
+    assert set(ran[start:end]) == {"staged"}
+
+
+def test_a_later_layer_with_other_indices_or_changed_ones_is_loaded_alone():
+    """The group load covers a later layer only for indices of the same values: indices changed in place
+    since (no version bump needed) or other ones make that layer load by itself, from the host as it is now."""
+    from test_host_pool import device_caches, fill_random, host_caches
+
+    gen, device_pool, pool = _pool("mla", "page_first", 16, seed=5)
+    pool.load_group = 3
+    host_idx = pool.alloc(20 * 16)
+    device_idx = torch.randperm(384, generator=gen)[:host_idx.numel()]
+    pool.load_to_device_per_layer(device_pool, host_idx, device_idx, 0, "direct")
+    device_idx.data[:16] = torch.randperm(384, generator=gen)[:16]  # in place, behind torch's version counter
+    fill_random(host_caches(pool)[0], gen)  # the host changed too: layer 1 must read it now
+    expected = _expected_layer(pool, device_pool, host_idx, device_idx, 1)
+    pool.load_to_device_per_layer(device_pool, host_idx, device_idx, 1, "direct")
+    assert pool.last_direct_mode != "staged"
+    assert torch.equal(device_caches(device_pool)[0][1].view(torch.uint8), expected[0].view(torch.uint8))
+
+
+def test_a_later_layer_without_its_group_load_is_loaded_alone():
+    from test_host_pool import device_caches
+
+    gen, device_pool, pool = _pool("mla", "page_first", 16, seed=6)
+    pool.load_group = 3
+    host_idx = pool.alloc(20 * 16)
+    device_idx = torch.randperm(384, generator=gen)[:host_idx.numel()]
+    expected = _expected_layer(pool, device_pool, host_idx, device_idx, 4)
+    pool.load_to_device_per_layer(device_pool, host_idx, device_idx, 4, "direct")  # group 3-5, never loaded
+    assert pool.last_direct_mode != "staged"
+    assert torch.equal(device_caches(device_pool)[0][4].view(torch.uint8), expected[0].view(torch.uint8))

@@ -83,3 +83,37 @@ def test_a_gpu_device_index_past_the_pool_is_skipped_and_reported():
         keep[5] = False
         want[device_idx[keep]] = hosts[0][host_idx[keep], layer].cuda()
         assert torch.equal(device[0][layer].view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+@pytest.mark.parametrize("group", [2, 4])
+def test_a_pinned_pool_loads_layer_by_layer_through_group_loads(kind, layout, group):
+    """A pool with load_group, called as SGLang's loop calls it (every layer in order, the same CPU indices,
+    the calls on one stream): every layer lands exactly, through the staging area."""
+    from test_host_pool import device_caches, fill_random, get_host_rows, host_caches, make_device_pool, make_host_pool
+
+    gen = torch.Generator().manual_seed(group)
+    device_pool = make_device_pool(kind, 1152, gen, device="cuda", slots=DEVICE_SLOTS)
+    pool = make_host_pool(device_pool, size=4096, page_size=64, layout=layout)
+    for buf in host_caches(pool):
+        fill_random(buf, gen)
+    pool.staging_bytes = 2 * 4 * 64 * pool.layer_num * pool.row_bytes * pool.num_caches  # 4 pages a buffer
+    pool.load_group = group
+    host_idx = pool.alloc(24 * 64)
+    device_idx = torch.randperm(DEVICE_SLOTS, generator=gen)[:host_idx.numel()]
+    expected = []
+    for layer in range(pool.layer_num):
+        expected.append([])
+        for cache, buf in zip(device_caches(device_pool), host_caches(pool)):
+            want = cache[layer].clone()
+            want[device_idx.cuda()] = get_host_rows(buf, layout, 64, layer, host_idx).cuda()
+            expected[-1].append(want)
+    for layer in range(pool.layer_num):
+        pool.load_to_device_per_layer(device_pool, host_idx, device_idx, layer, "direct")
+        assert pool.last_direct_mode == "staged"
+    torch.cuda.synchronize()
+    ops.check_errors()
+    for layer in range(pool.layer_num):
+        for cache, want in zip(device_caches(device_pool), expected[layer]):
+            assert torch.equal(cache[layer].view(torch.uint8), want.view(torch.uint8)), layer
