@@ -18,8 +18,9 @@ A group's layers are read from the host when the group is loaded: a caller that 
 The staging memory is the backup area's (``staging.PageStaging``): its two buffers, its lock and its events,
 so loads and backups through one area never overlap on its memory.
 
-Not a default anywhere: ``tools/bench.py layered`` measures it (providers ``staged-g8``, ``staged-g32``) against
-the per-layer kernel, to decide.
+Not a default anywhere: the host pools take it only where ``load_group`` is set (host_pool.py), and
+``tools/bench.py layered`` (providers ``staged-g8``, ``staged-g32``) and ``layouts`` (``staged-g4``,
+``staged-g8``) measure it against the per-layer kernel, to decide.
 """
 
 from __future__ import annotations
