@@ -1,0 +1,63 @@
+"""Group loads (transfer/staged_loads.py) on the copying stand-in device (tests/fake_gpu.py): the copy
+engines' 2-D copies of each run's part of the host blocks and the kernel's scatter, bit for bit, every other
+layer and slot untouched (tests/test_staged_loads_gpu.py checks the same on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fake_gpu
+from sglang_hicache_jit import ops
+from sglang_hicache_jit.transfer import staging
+from sglang_hicache_jit.transfer.staged_loads import GroupLoads
+
+LAYERS, PAGE, DEVICE_SLOTS = 4, 16, 512
+
+
+@pytest.fixture
+def stand_in():
+    with fake_gpu.copying_device(ops) as devices:
+        yield devices
+
+
+def _random(shape, seed, dtype=torch.bfloat16):
+    bits = torch.randint(-(1 << 15), 1 << 15, shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int16)
+    return bits.view(dtype)
+
+
+def _bits(t):
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("page", [1, PAGE], ids=["page_first", "page_first_direct"])
+@pytest.mark.parametrize("group", [(0, LAYERS), (1, 2), (3, 1)])
+def test_group_loads_land_bit_for_bit_through_the_kernel_scatter(stand_in, page, group):
+    copier, engines = stand_in
+    heads, dim = 2, 32
+    slots = 64 * PAGE
+    shape = (slots, LAYERS, heads, dim) if page == 1 else (slots // page, LAYERS, page, heads, dim)
+    hosts = [fake_gpu.pinned(_random(shape, 50 + c)) for c in range(2)]
+    device = [[fake_gpu.cuda(_random((DEVICE_SLOTS, heads, dim), 70 + 10 * c + l)) for l in range(LAYERS)]
+              for c in range(2)]
+    before = [[t.as_subclass(torch.Tensor).clone() for t in layers] for layers in device]
+    memory = [fake_gpu.cuda(torch.zeros((6,) + shape[1:], dtype=torch.bfloat16)) for _ in range(2)]  # 3 a half
+    area = staging.PageStaging(hosts, budget_bytes=1 << 30, device="cuda:0", device_rows=DEVICE_SLOTS, gather=None,
+                               page_size=page, memory=memory)
+    loads = GroupLoads(area, device)
+    gen = torch.Generator().manual_seed(page * 10 + group[1])
+    starts = torch.randperm(slots // 16, generator=gen)[:8] * 16  # runs of 16 tokens (one page when page = 16)
+    host_idx = (starts[:, None] + torch.arange(16)).reshape(-1)
+    device_idx = fake_gpu.cuda(torch.randperm(DEVICE_SLOTS, generator=gen)[:host_idx.numel()])
+    first, count = group
+    assert loads.load(host_idx, device_idx, first, count) is True
+    assert copier.calls and engines.copies
+    ops.check_errors(synchronize=False)
+    idx = device_idx.as_subclass(torch.Tensor)
+    for c in range(2):
+        host = hosts[c].as_subclass(torch.Tensor)
+        for layer in range(LAYERS):
+            want = before[c][layer].clone()
+            if first <= layer < first + count:
+                want[idx] = host[host_idx, layer] if page == 1 else host[host_idx // page, layer, host_idx % page]
+            assert torch.equal(_bits(device[c][layer].as_subclass(torch.Tensor)), _bits(want)), (c, layer)
