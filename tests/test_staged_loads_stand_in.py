@@ -61,3 +61,50 @@ def test_group_loads_land_bit_for_bit_through_the_kernel_scatter(stand_in, page,
             if first <= layer < first + count:
                 want[idx] = host[host_idx, layer] if page == 1 else host[host_idx // page, layer, host_idx % page]
             assert torch.equal(_bits(device[c][layer].as_subclass(torch.Tensor)), _bits(want)), (c, layer)
+
+
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+@pytest.mark.parametrize("group", [2, 4])
+def test_a_pool_with_load_group_loads_layer_by_layer_bit_for_bit(monkeypatch, kind, layout, group):
+    """HostKVPool.load_group on the stand-in: the pool stages (its host buffer is stand-in pinned memory), the
+    group's first layer loads the group through the copy engines and the kernel's scatter, and the others
+    only wait; every layer lands exactly."""
+    import types
+
+    from sglang_hicache_jit.transfer import host_pool, route
+    from test_host_pool import as_bytes, device_caches, fill_random, get_host_rows, host_caches, make_device_pool, \
+        make_host_pool
+
+    monkeypatch.setattr(host_pool.HostKVPool, "_allocate", lambda self, device_of_pool: fake_gpu.pinned(
+        torch.empty(self._buffer_shape(), dtype=self.dtype)))
+    monkeypatch.setattr(route, "probe", lambda row_bytes, device=None: types.SimpleNamespace(
+        available=True, reason="the stand-in device", code="ok", fix=""))
+    with fake_gpu.copying_device(ops) as (copier, engines):
+        gen = torch.Generator().manual_seed(group)
+        device_pool = make_device_pool(kind, 1152, gen, slots=DEVICE_SLOTS)
+        for layers in device_caches(device_pool):
+            layers[:] = [fake_gpu.cuda(t) for t in layers]
+        pool = make_host_pool(device_pool, size=1024, page_size=PAGE, layout=layout)
+        for buf in host_caches(pool):
+            fill_random(buf, gen)
+        pool.staging_bytes = 2 * 3 * PAGE * pool.layer_num * pool.row_bytes * pool.num_caches  # 3 pages a buffer
+        pool.load_group = group
+        host_idx = pool.alloc(10 * PAGE)
+        device_idx = torch.randperm(DEVICE_SLOTS, generator=gen)[:host_idx.numel()]
+        want = []
+        for c, layers in enumerate(device_caches(device_pool)):
+            host = as_bytes(host_caches(pool)[c].as_subclass(torch.Tensor))
+            want.append([])
+            for layer in range(pool.layer_num):
+                w = as_bytes(layers[layer].as_subclass(torch.Tensor)).clone()
+                w[device_idx] = get_host_rows(host, layout, PAGE, layer, host_idx)
+                want[-1].append(w)
+        for layer in range(pool.layer_num):
+            pool.load_to_device_per_layer(device_pool, host_idx, device_idx, layer, "direct")
+            assert pool.last_direct_mode == "staged"
+        ops.check_errors(synchronize=False)
+        assert engines.copies and len(copier.calls) >= -(-pool.layer_num // group)
+        for c, layers in enumerate(device_caches(device_pool)):
+            for layer in range(pool.layer_num):
+                assert torch.equal(as_bytes(layers[layer].as_subclass(torch.Tensor)), want[c][layer]), (c, layer)
