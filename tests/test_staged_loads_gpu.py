@@ -81,7 +81,7 @@ def test_a_gpu_device_index_past_the_pool_is_skipped_and_reported():
         want = before[layer].clone()
         keep = torch.ones(32, dtype=torch.bool)
         keep[5] = False
-        want[device_idx[keep]] = hosts[0][host_idx[keep], layer].cuda()
+        want[device_idx[keep.cuda()]] = hosts[0][host_idx[keep], layer].cuda()
         assert torch.equal(device[0][layer].view(torch.int16), want.view(torch.int16))
 
 
