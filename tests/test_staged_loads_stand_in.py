@@ -15,30 +15,15 @@ from sglang_hicache_jit.transfer.staged_loads import GroupLoads
 LAYERS, PAGE, DEVICE_SLOTS = 4, 16, 512
 
 
-@pytest.fixture
-def stand_in():
-    with fake_gpu.copying_device(ops) as devices:
-        yield devices
-
-
-def _random(shape, seed, dtype=torch.bfloat16):
-    bits = torch.randint(-(1 << 15), 1 << 15, shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int16)
-    return bits.view(dtype)
-
-
-def _bits(t):
-    return t.view(torch.int16)
-
-
 @pytest.mark.parametrize("page", [1, PAGE], ids=["page_first", "page_first_direct"])
 @pytest.mark.parametrize("group", [(0, LAYERS), (1, 2), (3, 1)])
-def test_group_loads_land_bit_for_bit_through_the_kernel_scatter(stand_in, page, group):
-    copier, engines = stand_in
+def test_group_loads_land_bit_for_bit_through_the_kernel_scatter(copying_stand_in, page, group):
+    copier, engines = copying_stand_in
     heads, dim = 2, 32
     slots = 64 * PAGE
     shape = (slots, LAYERS, heads, dim) if page == 1 else (slots // page, LAYERS, page, heads, dim)
-    hosts = [fake_gpu.pinned(_random(shape, 50 + c)) for c in range(2)]
-    device = [[fake_gpu.cuda(_random((DEVICE_SLOTS, heads, dim), 70 + 10 * c + l)) for l in range(LAYERS)]
+    hosts = [fake_gpu.pinned(fake_gpu.random_bits(shape, 50 + c)) for c in range(2)]
+    device = [[fake_gpu.cuda(fake_gpu.random_bits((DEVICE_SLOTS, heads, dim), 70 + 10 * c + l)) for l in range(LAYERS)]
               for c in range(2)]
     before = [[t.as_subclass(torch.Tensor).clone() for t in layers] for layers in device]
     memory = [fake_gpu.cuda(torch.zeros((6,) + shape[1:], dtype=torch.bfloat16)) for _ in range(2)]  # 3 a half
@@ -60,7 +45,8 @@ def test_group_loads_land_bit_for_bit_through_the_kernel_scatter(stand_in, page,
             want = before[c][layer].clone()
             if first <= layer < first + count:
                 want[idx] = host[host_idx, layer] if page == 1 else host[host_idx // page, layer, host_idx % page]
-            assert torch.equal(_bits(device[c][layer].as_subclass(torch.Tensor)), _bits(want)), (c, layer)
+            got = device[c][layer].as_subclass(torch.Tensor)
+            assert torch.equal(fake_gpu.int16_bits(got), fake_gpu.int16_bits(want)), (c, layer)
 
 
 @pytest.mark.parametrize("kind", ["mla", "mha"])
