@@ -48,7 +48,7 @@ def test_every_workload_parses_its_defaults(bench, name):
     assert args.workload == name and args.out is None
 
 
-@pytest.mark.parametrize("beside", ["none", "decode"])
+@pytest.mark.parametrize("beside", ["none", "decode", "matmul"])
 def test_layered_runs_through_on_the_cpu_bit_exact(bench, tmp_path, capsys, beside):
     """The host-hit stand-in: the per-layer loads, the forward pass that waits for each layer, the device hit
     beside it, one row per provider with the gap between them (times meaningless on the CPU)."""
@@ -60,6 +60,27 @@ def test_layered_runs_through_on_the_cpu_bit_exact(bench, tmp_path, capsys, besi
     row = rows[0]
     assert row["host_minus_device_ms"] == pytest.approx(row["samples"][0]["host_ms"] - row["samples"][0]["device_ms"])
     assert 0 <= row["first_ms"] <= row["load_ms"] and row["device_ms"] > 0 and row["host_ms"] > 0
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_layered_staged_providers_load_every_layer_bit_exact_on_the_cpu(group):
+    """The group-load providers (staged-gN) through the staging area on CPU tensors (the torch.cuda stream and
+    event calls stubbed): layer i's call loads the group at its first layer and nothing at the others, and
+    the whole pass is bit-exact."""
+    import argparse
+
+    import fake_gpu
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchmarks import layered
+
+    args = argparse.Namespace(tokens=8192, page=64, extend=128, providers=["staged-g8"], beside="none", reps=7,
+                              smoke=True)
+    s = layered.Setup(args)
+    with fake_gpu.stub_streams():
+        transfers = s._staged(group)
+        assert len(transfers) == s.layers
+        assert s.exact(transfers)
 
 
 def test_the_device_script_runs_only_commands_that_parse(bench, tmp_path):

@@ -13,8 +13,9 @@
 #   tests     python3 -m pytest -q -m gpu tests                                          -> pytest-gpu.txt
 #   layouts   tools/bench.py layouts (loads and backups, every layout and io_backend)     -> layouts.{jsonl,txt}
 #   cta       tools/bench.py cta (the kernel's CTA budget beside the matmul)              -> cta.{jsonl,txt}
-#   layered   tools/bench.py layered, alone and beside decode steps (a host hit's per-layer loads under
-#             a forward pass that waits for each layer; with upstream's kernel where SGLang imports)
+#   layered   tools/bench.py layered, alone, beside decode steps and beside matmuls (a host hit's per-layer
+#             loads under a forward pass that waits for each layer; with upstream's kernel where SGLang
+#             imports, and the staged group loads)
 #                                                                                       -> layered.{jsonl,txt}
 #   grid      tools/bench.py grid against upstream SGLang's kernels (needs the carry)     -> grid.{jsonl,txt}
 #   sglang    every carried SGLang release's cells, the integration tests, host time per pool call
@@ -27,7 +28,7 @@ OUT=${OUT:-$PWD/gpu-out}
 STEPS=${STEPS:-build tests layouts cta}
 BUDGET=${BUDGET:-570}
 T_BUILD=${T_BUILD:-150} T_TESTS=${T_TESTS:-230} T_LAYOUTS=${T_LAYOUTS:-260} T_CTA=${T_CTA:-100}
-T_GRID=${T_GRID:-300} T_SGLANG=${T_SGLANG:-400} T_SOAK=${T_SOAK:-300} T_LAYERED=${T_LAYERED:-120}
+T_GRID=${T_GRID:-300} T_SGLANG=${T_SGLANG:-400} T_SOAK=${T_SOAK:-300} T_LAYERED=${T_LAYERED:-180}
 MIN_LAYOUTS=120 MIN_CTA=60  # what a later step needs at least; earlier steps leave it
 DRY=${DRY:-}
 export PYTHONUNBUFFERED=1 SGLANG_HICACHE_JIT_CACHE_DIR=${SGLANG_HICACHE_JIT_CACHE_DIR:-/tmp/hicache-cache}
@@ -95,8 +96,8 @@ if has cta; then
   run cta "$t" "$OUT/cta.txt" python3 tools/bench.py cta --budget-s $((t > 40 ? t - 20 : 20)) --out "$OUT/cta.jsonl"
 fi
 if has layered; then
-  for beside in none decode; do
-    run "layered, beside $beside" "$(box $((T_LAYERED / 2)))" "$OUT/layered-$beside.txt" python3 tools/bench.py layered \
+  for beside in none decode matmul; do
+    run "layered, beside $beside" "$(box $((T_LAYERED / 3)))" "$OUT/layered-$beside.txt" python3 tools/bench.py layered \
       --beside "$beside" --reps 11 --out "$OUT/layered.jsonl"
   done
 fi

@@ -101,6 +101,7 @@ class _DeviceSide:
         self._table = None                       # ops.LayerTable over owned layers, built on first kernel use
         self.pairs: dict = {}                    # direct.Pairs by ('load', host layer) or ('backup',)
         self.staging = None                      # staging.PageStaging, False where none applies; see _staging
+        self.group_loads = None                  # staged_loads.GroupLoads over that area, made on first use
 
     def table(self):
         if self._table is None:
@@ -179,6 +180,10 @@ class HostKVPool:
         self._host_table = None
         self.staging_bytes = settings.staging_bytes()  # GPU memory page_first backups may stage through
         self.direct_mode = "auto"      # how the direct path submits CUDA copies: direct.MODES
+        # Experimental (staged_loads.py; benchmarks only until measured): loads with CPU indices take this many
+        # layers at once through the staging area, at the group's first layer; 0 or 1: layer by layer.
+        self.load_group = 0
+        self._group_loaded = threading.local()  # .last: this thread's last group load (_GroupLoad)
         self.last_direct_mode = None   # what the last direct transfer ran: 'batch', '2d', 'torch' or 'staged'
         self.transfer_path, self.transfer_path_reason = route.pool_path(first, pinned=self.pin_memory,
                                                                         row_bytes=self.row_bytes)
@@ -280,7 +285,9 @@ class HostKVPool:
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend) -> None:
         """Host -> device for one layer: ``device[layer_id][device_indices[i]] =
         host[layer_id - start][host_indices[i]]``. A layer this rank does not own
-        is a silent no-op (as upstream)."""
+        is a silent no-op (as upstream). With ``load_group`` G > 1 (experimental) and CPU indices, the call
+        for a group's first layer loads its G layers at once, reading all of them from the host then, and
+        the calls for the others with indices of the same values only order the caller's stream after it."""
         layer = self._layer(layer_id)
         self._check_index_pair(host_indices, device_indices)
         path = self._path(io_backend, "load", device_indices)
@@ -289,6 +296,9 @@ class HostKVPool:
             return
         side = self._device_side(device_pool)
         host_layer = layer - start
+        if self.load_group > 1 and self._group_load(side, host_indices, device_indices, host_layer):
+            self.last_direct_mode = "staged"
+            return
         if path in _KERNEL_PATHS:
             from . import ops
 
@@ -362,6 +372,44 @@ class HostKVPool:
         return staging.PageStaging(self._cache_buffers(), budget_bytes=self.staging_bytes,
                                    device=layers[0][0].device, device_rows=layers[0][0].shape[0], gather=gather,
                                    page_size=self.page_size if self.layout == "page_first_direct" else 1)
+
+    def _group_load(self, side: _DeviceSide, host_indices, device_indices, host_layer: int) -> bool:
+        """Whether host layer ``host_layer``'s rows are loaded by a group load (``load_group``): at a group's
+        first layer the whole group is loaded now; at its other layers, True when this thread's last group
+        load was that group's, into this device pool, with indices of the same values (compared byte for
+        byte: a tensor changed in place since is loaded again), and the caller's stream then waits for it.
+        Otherwise False: the caller loads the layer alone. Both index tensors must be on the CPU (the copies
+        are planned from them on the host)."""
+        if host_indices.is_cuda or device_indices.is_cuda:
+            return False
+        group = self.load_group
+        first = host_layer - host_layer % group
+        last = getattr(self._group_loaded, "last", None)
+        if host_layer != first:
+            if last is None or not last.covers(side, first, host_indices, device_indices):
+                return False
+            if last.done is not None:  # the caller's stream, maybe another one, orders after the group's copies
+                torch.cuda.current_stream(last.device).wait_event(last.done)
+            return True
+        self._group_loaded.last = None
+        staging = self._staging(side)
+        if staging is None:
+            return False
+        if side.group_loads is None:
+            from .staged_loads import GroupLoads
+
+            start, end = self.owned_layers
+            with _STAGING_INIT:
+                if side.group_loads is None:
+                    side.group_loads = GroupLoads(staging, [cache[start:end] for cache in side.caches])
+        if not side.group_loads.load(host_indices, device_indices, first, min(group, self.layer_num - first)):
+            return False
+        done = None
+        if staging.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(staging.device))
+        self._group_loaded.last = _GroupLoad(side, first, host_indices, device_indices, done, staging.device)
+        return True
 
     def _host_layer_table(self):
         if self._host_table is None:
@@ -483,6 +531,21 @@ class MHAHostKVPool(HostKVPool):
     @property
     def v_buffer(self) -> torch.Tensor:
         return self.kv_buffer[1]
+
+
+class _GroupLoad:
+    """What one group load moved: the group, the device pool, copies of its indices' values, and an event
+    after it on the stream it ran on (None on the CPU)."""
+
+    def __init__(self, side, first: int, host_indices, device_indices, done, device):
+        self.side, self.first, self.done, self.device = side, first, done, device
+        self.host, self.device = route.host_indices(host_indices).clone(), route.host_indices(device_indices).clone()
+
+    def covers(self, side, first: int, host_indices, device_indices) -> bool:
+        return (side is self.side and first == self.first and host_indices.numel() == self.host.numel()
+                and device_indices.numel() == self.device.numel()
+                and route._same_bytes(route.host_indices(host_indices), self.host)
+                and route._same_bytes(route.host_indices(device_indices), self.device))
 
 
 def _owned_range(device_pool, layer_num: int) -> tuple[int, int]:

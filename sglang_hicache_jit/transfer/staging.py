@@ -110,6 +110,7 @@ class PageStaging:
         # Per cache, one area of two buffers (its halves): staged block j of buffer b is the area's block
         # b * chunk_blocks + j, so one copy plan addresses both buffers and a backup is planned once.
         areas = [m[:2 * self.chunk_blocks] for m in memory]
+        self.areas, self.host_caches, self.row_shape = areas, list(host_caches), tuple(row_shape)
         self.buffers = [[a[b * self.chunk_blocks:(b + 1) * self.chunk_blocks] for a in areas] for b in (0, 1)]
         # A block (token or page) of every layer as one row: consecutive host blocks are one flat block.
         self.pairs = direct.Pairs([(direct.Rows(h.view(-1, block_elems), "host blocks"),
@@ -142,34 +143,9 @@ class PageStaging:
         token's host slot holds stale staging bytes, so the error must not be ignored."""
         if torch.cuda.is_current_stream_capturing():
             return False  # staging reads the indices on the host; the row copies record into a graph
-        host = host_indices.to("cpu", torch.int64)
-        count = host.numel()
-        if count == 0:
-            return True
-        small = count <= SMALL_BACKUP_TOKENS
-        if small:  # Python ints: cheaper than a dozen tensor ops on a few hundred indices
-            values = host.tolist()
-            low, high = min(values), max(values)
-        else:
-            low, high = (int(v) for v in torch.aminmax(host))
-        if low < 0:
-            return False
-        if high >= self.host_blocks * self.page:
-            raise TransferIndexError(f"host_indices holds index {high}, but the host pool has only "
-                                     f"{self.host_blocks * self.page} slots")
-        if self.page == 1:
-            blocks = values if small else host
-        else:
-            starts = direct.whole_pages(host, self.page, aligned=True)
-            if starts is None:
-                return False
-            blocks = (starts // self.page).tolist() if small else starts // self.page
-        if small:
-            runs = 1 if _consecutive(blocks) else 1 + sum(b != a + 1 for a, b in zip(blocks, blocks[1:]))
-        else:
-            runs = int((blocks[1:] - blocks[:-1] != 1).sum()) + 1
-        if runs * MIN_RUN > count:
-            return False
+        blocks = self.host_blocks_of(host_indices)
+        if blocks is None or not len(blocks):
+            return blocks is not None  # declined, or nothing to copy
         if bound_on_gpu and device_indices.is_cuda:
             # Read on the host they would cost a device sync in the caller's thread (SGLang's scheduler). The
             # gather's kernel bounds them on the device instead: a row outside the pool is skipped and the next
@@ -188,6 +164,40 @@ class PageStaging:
         with self._lock:
             self._submit(len(blocks), device_indices, plan, parts)
         return True
+
+    def host_blocks_of(self, host_indices: torch.Tensor):
+        """The host blocks (tokens for page_first, pages for page_first_direct) that ``host_indices`` names, in
+        order: a list of ints for up to SMALL_BACKUP_TOKENS indices, else a CPU int64 tensor; None where they
+        are better copied one by one (a negative index skips its pair, which a block copy cannot; blocks in
+        runs shorter than MIN_RUN tokens on average; page_first_direct slots that are not whole aligned
+        pages). TransferIndexError for an index past the host buffer."""
+        host = host_indices.to("cpu", torch.int64)
+        count = host.numel()
+        if count == 0:
+            return []
+        small = count <= SMALL_BACKUP_TOKENS
+        if small:  # Python ints: cheaper than a dozen tensor ops on a few hundred indices
+            values = host.tolist()
+            low, high = min(values), max(values)
+        else:
+            low, high = (int(v) for v in torch.aminmax(host))
+        if low < 0:
+            return None
+        if high >= self.host_blocks * self.page:
+            raise TransferIndexError(f"host_indices holds index {high}, but the host pool has only "
+                                     f"{self.host_blocks * self.page} slots")
+        if self.page == 1:
+            blocks = values if small else host
+        else:
+            starts = direct.whole_pages(host, self.page, aligned=True)
+            if starts is None:
+                return None
+            blocks = (starts // self.page).tolist() if small else starts // self.page
+        if small:
+            runs = 1 if _consecutive(blocks) else 1 + sum(b != a + 1 for a, b in zip(blocks, blocks[1:]))
+        else:
+            runs = int((blocks[1:] - blocks[:-1] != 1).sum()) + 1
+        return None if runs * MIN_RUN > count else blocks
 
     def _submit(self, count: int, device_indices: torch.Tensor, plan, parts: list) -> None:
         stream = torch.cuda.current_stream(self.device)
@@ -216,24 +226,25 @@ class PageStaging:
             self.used[b] = True
 
 
-def plan_chunks(pairs, blocks, chunk_blocks: int, max_run: int) -> tuple:
+def plan_chunks(pairs, blocks, chunk_blocks: int, max_run: int, *, load: bool = False) -> tuple:
     """The copies of a whole staged backup of host ``blocks`` (CPU int64, or a list of ints), planned once:
     runs of consecutive host blocks that stay inside one chunk of ``chunk_blocks``, each from where its
     chunk's buffer holds it (chunk k in buffer k % 2, whose block j is row ``(k % 2) * chunk_blocks + j`` of
     the pairs' source), none longer than ``max_run`` blocks; and per chunk the (first, end) range of runs
     that empties it. One plan per chunk cost 0.3-0.4 ms of the caller's thread each, SGLang's scheduler's
-    (tools/bench.py plan-cost, docs/BENCHMARKS.md)."""
+    (tools/bench.py plan-cost, docs/BENCHMARKS.md). ``load``: the same copies the other way (the pairs are
+    (staged, host) and each chunk's range of runs fills its buffer from the host)."""
     # Consecutive host blocks (a fresh allocation, the common case) make one run per chunk, written out
     # directly: for an 8K-token backup that replaces about 200 us of tensor ops (tools/bench.py host-cost).
     if isinstance(blocks, list):
         if blocks and _consecutive(blocks):
-            return _plan_consecutive(pairs, blocks[0], len(blocks), chunk_blocks, max_run)
-        return _plan_chunks_of_ints(pairs, blocks, chunk_blocks, max_run)
+            return _plan_consecutive(pairs, blocks[0], len(blocks), chunk_blocks, max_run, load)
+        return _plan_chunks_of_ints(pairs, blocks, chunk_blocks, max_run, load)
     count = blocks.numel()
     if count:
         first = int(blocks[0])
         if int(blocks[-1]) - first == count - 1 and torch.equal(blocks, torch.arange(first, first + count)):
-            return _plan_consecutive(pairs, first, count, chunk_blocks, max_run)
+            return _plan_consecutive(pairs, first, count, chunk_blocks, max_run, load)
     position = torch.arange(count)
     breaks = (blocks[1:] - blocks[:-1] != 1) | (position[1:] % chunk_blocks == 0)
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1])
@@ -242,7 +253,8 @@ def plan_chunks(pairs, blocks, chunk_blocks: int, max_run: int) -> tuple:
     # Runs are in backup order and none crosses a chunk: chunk k's are those starting in its blocks.
     bounds = torch.searchsorted(runs.src_start, torch.arange(0, count + chunk_blocks, chunk_blocks)).tolist()
     staged = runs.src_start // chunk_blocks % 2 * chunk_blocks + runs.src_start % chunk_blocks
-    plan = direct.CopyPlan(pairs, direct.Runs(runs.dst_start, staged, runs.length))
+    columns = (staged, runs.dst_start) if load else (runs.dst_start, staged)
+    plan = direct.CopyPlan(pairs, direct.Runs(*columns, runs.length))
     return plan, list(zip(bounds[:-1], bounds[1:]))
 
 
@@ -252,7 +264,7 @@ def _consecutive(blocks: list) -> bool:
     return last - first == len(blocks) - 1 and blocks == list(range(first, last + 1))
 
 
-def _plan_chunks_of_ints(pairs, blocks: list, chunk_blocks: int, max_run: int) -> tuple:
+def _plan_chunks_of_ints(pairs, blocks: list, chunk_blocks: int, max_run: int, load: bool = False) -> tuple:
     """plan_chunks for blocks given as Python ints: the same runs and parts, in one pass."""
     dst, staged, length, bounds = [], [], [], []
     previous = None
@@ -268,10 +280,10 @@ def _plan_chunks_of_ints(pairs, blocks: list, chunk_blocks: int, max_run: int) -
             length.append(1)
         previous = block
     bounds.append(len(dst))
-    return _plan_of(pairs, dst, staged, length, bounds)
+    return _plan_of(pairs, dst, staged, length, bounds, load)
 
 
-def _plan_consecutive(pairs, first: int, count: int, chunk_blocks: int, max_run: int) -> tuple:
+def _plan_consecutive(pairs, first: int, count: int, chunk_blocks: int, max_run: int, load: bool = False) -> tuple:
     """plan_chunks for the host blocks ``first, first + 1, ..., first + count - 1``: one run per chunk, cut
     every ``max_run`` blocks."""
     dst, staged, length, bounds = [], [], [], []
@@ -283,12 +295,13 @@ def _plan_consecutive(pairs, first: int, count: int, chunk_blocks: int, max_run:
             staged.append(k % 2 * chunk_blocks + offset)
             length.append(min(max_run, n - offset))
     bounds.append(len(dst))
-    return _plan_of(pairs, dst, staged, length, bounds)
+    return _plan_of(pairs, dst, staged, length, bounds, load)
 
 
-def _plan_of(pairs, dst: list, staged: list, length: list, bounds: list) -> tuple:
+def _plan_of(pairs, host: list, staged: list, length: list, bounds: list, load: bool) -> tuple:
     """(the copy plan of these runs, each chunk's (first, end) range of them), from Python ints."""
-    runs = direct.Runs(*(torch.tensor(column, dtype=torch.int64) for column in (dst, staged, length)))
+    columns = (staged, host, length) if load else (host, staged, length)
+    runs = direct.Runs(*(torch.tensor(column, dtype=torch.int64) for column in columns))
     return direct.CopyPlan(pairs, runs), list(zip(bounds[:-1], bounds[1:]))
 
 

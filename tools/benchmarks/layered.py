@@ -13,9 +13,13 @@ and V row of the layer (two bf16 matmuls over them), so it cannot start before i
 
 Providers: ``bulk`` (this package's default for host-to-GPU: bulk copies, 4 CTAs, a whole multiprocessor's
 shared memory each), ``bulk-q2``, ``plain`` (the plain copy loop, 8 CTAs, no shared memory), ``plain-q2``,
-``resident`` (CTAs kept on the GPU, fed by a queue), and ``upstream`` (SGLang's own kernel, where importable:
-sglang_hicache_jit/bench/upstream.py). ``--beside decode`` runs decode-like steps (a batch of 32 tokens
-through the same weights, back to back) on a third stream all along, as a server's running batch does.
+``resident`` (CTAs kept on the GPU, fed by a queue), ``upstream`` (SGLang's own kernel, where importable:
+sglang_hicache_jit/bench/upstream.py), and ``staged-g8`` / ``staged-g32`` (group loads, transfer/staged_loads.py:
+8 or all 32 layers' part of whole host blocks on the copy engines into the staging area, then one scatter launch
+per chunk; host slots read on the host, as SGLang's ``direct`` backend passes them). ``--beside decode`` runs
+decode-like steps (a batch of 32 tokens through the same weights, back to back) on a third stream all along, as
+a server's running batch does; ``--beside matmul`` runs bf16 8192^3 matmuls there instead, compute that holds
+every SM (where a launched copy kernel waits for SMs: tools/bench.py layouts measures rates beside the same).
 
 Per provider and rep (the providers interleaved): the forward pass's end after the start (``host_ms``), the
 loads' end (``load_ms``), layer 0's load (``first_ms``), and the device hit's end measured in the same rep
@@ -31,7 +35,8 @@ import time
 LAYERS, HEADS, HEAD_DIM, HIDDEN, INTER = 32, 8, 128, 4096, 14336
 KV_DIM = HEADS * HEAD_DIM  # bf16 elements per K (or V) row: 2048 B
 DECODE_BATCH = 32
-PROVIDERS = ("bulk", "bulk-q2", "plain", "plain-q2", "resident", "upstream")
+MATMUL = 8192  # --beside matmul: bf16 MATMUL^3 products back to back
+PROVIDERS = ("bulk", "bulk-q2", "plain", "plain-q2", "resident", "upstream", "staged-g8", "staged-g32")
 _OURS = {"bulk": ("bulk", None), "bulk-q2": ("bulk", 2), "plain": ("plain", None), "plain-q2": ("plain", 2),
          "resident": ("resident", None)}
 
@@ -41,8 +46,9 @@ def add_arguments(p, name: str) -> None:
     p.add_argument("--page", type=int, default=64, help="host page size (tokens)")
     p.add_argument("--extend", type=int, default=128, help="tokens the forward pass computes (the request's new ones)")
     p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
-    p.add_argument("--beside", choices=("none", "decode"), default="none",
-                   help="decode: decode-like steps on a third stream all along")
+    p.add_argument("--beside", choices=("none", "decode", "matmul"), default="none",
+                   help="decode: decode-like steps on a third stream all along; matmul: back-to-back bf16 "
+                        "8192^3 matmuls there (compute that saturates the SMs, as layouts runs beside)")
     p.add_argument("--reps", type=int, default=7, help="reps per provider (interleaved); medians count")
     p.add_argument("--smoke", action="store_true",
                    help="CPU only, tiny sizes, a torch-indexing provider: runs every line; times mean nothing")
@@ -76,6 +82,7 @@ class Setup:
         host_idx = (pages[:, None] * args.page + torch.arange(args.page)).reshape(-1)
         dev_idx = torch.randperm(slots, generator=gen)[:args.tokens]
         self.host_idx, self.dev_idx = host_idx.to(self.device), dev_idx.to(self.device)
+        self.host_idx_cpu = host_idx  # the staged loads plan their copies from the host slots on the host
         w = dict(dtype=torch.bfloat16, device=self.device)
         scale = self.hidden ** -0.5
         self.w_qkv = torch.randn(self.hidden, self.hidden + 2 * KV_DIM, **w) * scale
@@ -85,6 +92,8 @@ class Setup:
         self.x = torch.randn(args.extend, self.hidden, **w)
         self.q = torch.randn(args.extend, KV_DIM, **w)
         self.decode_x = torch.randn(DECODE_BATCH, self.hidden, **w)
+        n = 64 if self.smoke else MATMUL
+        self.matmul = torch.randn(n, n, **w) if args.beside == "matmul" else None
         self.load_stream, self.compute, self.side = (self.cuda.Stream() for _ in range(3))
         self.row_bytes = KV_DIM * 2
 
@@ -108,6 +117,10 @@ class Setup:
         self.sink = (out, attn)  # kept, so nothing is freed while queued work may still use it
 
     def decode_step(self) -> None:
+        """One step of the work beside the pass: a decode-like step, or one large matmul (--beside matmul)."""
+        if self.matmul is not None:
+            self.decode_sink = self.matmul @ self.matmul
+            return
         self.decode_sink = (self.decode_x @ self.w_up)[:, :self.inter] @ self.w_down
 
     def transfers(self, provider: str) -> list:
@@ -128,6 +141,8 @@ class Setup:
                           device_slots=dev[0][0].shape[0])
             return [upstream.build_call(up, "upstream", pools, "one", True, i, self.host_idx, self.dev_idx,
                                         self.args.page, self.layers) for i in range(self.layers)]
+        if provider.startswith("staged-g"):
+            return self._staged(int(provider[len("staged-g"):]))
         from sglang_hicache_jit.transfer import ops
 
         method, quota = _OURS[provider]
@@ -135,6 +150,23 @@ class Setup:
         def call(i):
             ops.transfer_one_layer(self.dev[0][i], self.dev[1][i], self.dev_idx, self.host[0][:, i],
                                    self.host[1][:, i], self.host_idx, method=method, block_quota=quota)
+        return [lambda i=i: call(i) for i in range(self.layers)]
+
+    def _staged(self, group: int) -> list:
+        """Group loads (transfer/staged_loads.py): layer i's call loads layers i..i+group-1 when i is a
+        multiple of ``group`` (whole host blocks of those layers on the copy engines into the staging area, then
+        one scatter launch) and has nothing left to do otherwise, as SGLang calls a pool layer by layer."""
+        from sglang_hicache_jit import settings
+        from sglang_hicache_jit.transfer import staging
+        from sglang_hicache_jit.transfer.staged_loads import GroupLoads
+
+        area = staging.PageStaging(self.host, budget_bytes=settings.staging_bytes(), device=self.device,
+                                   device_rows=self.dev[0][0].shape[0], gather=staging.torch_gather(self.dev))
+        loads = GroupLoads(area, self.dev)
+
+        def call(i):
+            if i % group == 0 and not loads.load(self.host_idx_cpu, self.dev_idx, i, min(group, self.layers - i)):
+                raise RuntimeError("the staging area declined the load (host slots not in runs)")
         return [lambda i=i: call(i) for i in range(self.layers)]
 
     def exact(self, transfers) -> bool:
@@ -216,7 +248,7 @@ def run(args, out, name: str) -> int:
     if not s.smoke:  # the contiguous pinned copy of the same bytes, host to GPU (median of back-to-back copies)
         floor_gbps = nbytes / statistics.median(time_call(Ceiling("cuda").call(nbytes, "h2d"))) / 1e9
     step_s = 0.0
-    if args.beside == "decode" and not s.smoke:
+    if args.beside != "none" and not s.smoke:
         began = time.perf_counter()
         for _ in range(20):
             s.decode_step()

@@ -44,6 +44,7 @@ class Provider:
     indices: str = "cpu"
     direct_mode: str | None = None
     layouts: tuple | None = None
+    load_group: int = 0  # the pool's load_group during its loads (staged group loads; 0: layer by layer)
 
 
 # The providers `layouts` measures by default; add a path the pools gain here (or on the command line).
@@ -54,13 +55,23 @@ PROVIDERS = {
 }
 
 
+# Asked for by name only: the experimental group loads (transfer/staged_loads.py) through the pool's staging
+# area, 4 or all 8 layers at a time, with the direct backend's CPU indices.
+_STAGED = ("page_first", "page_first_direct")
+EXTRA_PROVIDERS = {
+    "staged-g4": Provider("direct", indices="cpu", layouts=_STAGED, load_group=4),
+    "staged-g8": Provider("direct", indices="cpu", layouts=_STAGED, load_group=8),
+}
+
+
 def parse_provider(text: str) -> tuple[str, Provider]:
-    """'kernel' (a name in PROVIDERS) or 'NAME=IO_BACKEND[/cpu|cuda[/DIRECT_MODE]]'."""
+    """'kernel' (a name in PROVIDERS or EXTRA_PROVIDERS) or 'NAME=IO_BACKEND[/cpu|cuda[/DIRECT_MODE]]'."""
     if "=" not in text:
-        if text not in PROVIDERS:
-            raise ValueError(f"unknown provider {text!r}: one of {', '.join(PROVIDERS)}, or "
+        known = {**PROVIDERS, **EXTRA_PROVIDERS}
+        if text not in known:
+            raise ValueError(f"unknown provider {text!r}: one of {', '.join(known)}, or "
                              "NAME=IO_BACKEND[/cpu|cuda[/DIRECT_MODE]]")
-        return text, PROVIDERS[text]
+        return text, known[text]
     name, _, spec = text.partition("=")
     parts = spec.split("/")
     if not name or not parts[0] or len(parts) > 3 or (len(parts) > 1 and parts[1] not in ("cpu", "cuda")):
@@ -90,7 +101,8 @@ def add_arguments(p, workload: str) -> None:
                        help="CTA budgets: numbers, and 'default' for the kernel's own choice")
     else:
         p.add_argument("--providers", nargs="+", default=list(PROVIDERS),
-                       help=f"names in the table ({', '.join(PROVIDERS)}) or NAME=IO_BACKEND[/cpu|cuda[/DIRECT_MODE]]")
+                       help=f"names in the table ({', '.join(PROVIDERS)}; also {', '.join(EXTRA_PROVIDERS)}: group loads, "
+                            "experimental) or NAME=IO_BACKEND[/cpu|cuda[/DIRECT_MODE]]")
     p.add_argument("--host-slots", type=int, default=256 * 1024)
     p.add_argument("--device-slots", type=int, default=256 * 1024)
     p.add_argument("--matmul", type=int, default=8192, help="the square bf16 matmul run back to back beside")
@@ -248,7 +260,8 @@ def pool_calls(bench: Bench, providers: dict, pool, device_pool, op: str, host_i
         where = bench.device if provider.indices == "cuda" else "cpu"
         backend = provider.io_backend
         if op == "load":
-            def transfer(idx, layer, backend=backend):
+            def transfer(idx, layer, backend=backend, group=provider.load_group):
+                pool.load_group = group
                 pool.load_to_device_per_layer(device_pool, idx[0], idx[1], layer, backend)
         else:
             def transfer(idx, layer, backend=backend):
