@@ -125,3 +125,22 @@ def copying_stand_in():
 
     with fake_gpu.copying_device(ops) as devices:
         yield devices
+
+
+@pytest.fixture
+def cpu_streams():
+    """The torch.cuda stream, event and capture queries a staging area makes, answered on the CPU."""
+    import fake_gpu
+
+    with fake_gpu.stub_streams():
+        yield
+
+
+@pytest.fixture(params=["ints", "tensors"])
+def staging_planner(request, monkeypatch):
+    """Which planner a staged transfer uses: Python ints (the default for small ones) or tensor ops (forced)."""
+    if request.param == "tensors":
+        from sglang_hicache_jit.transfer import staging
+
+        monkeypatch.setattr(staging, "SMALL_BACKUP_TOKENS", 0)
+    return request.param

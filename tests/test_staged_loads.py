@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fake_gpu
 from sglang_hicache_jit.errors import TransferIndexError
 from sglang_hicache_jit.transfer import staging
 from sglang_hicache_jit.transfer.staged_loads import GroupLoads
@@ -19,17 +18,7 @@ from sglang_hicache_jit.transfer.staged_loads import GroupLoads
 LAYERS, ROW, DEVICE_ROWS, CHUNK_BLOCKS = 6, 5, 512, 4
 
 
-@pytest.fixture(autouse=True)
-def cpu_streams():
-    with fake_gpu.stub_streams():
-        yield
-
-
-@pytest.fixture(params=["ints", "tensors"])
-def planner(request, monkeypatch):
-    if request.param == "tensors":
-        monkeypatch.setattr(staging, "SMALL_BACKUP_TOKENS", 0)
-    return request.param
+pytestmark = pytest.mark.usefixtures("cpu_streams")
 
 
 def _random(shape, seed):
@@ -67,7 +56,7 @@ def _pages(page, starts):
 @pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("group", [(0, LAYERS), (0, 1), (2, 3), (4, 2), (5, 1)])
 @pytest.mark.parametrize("case", ["one-run", "runs-out-of-order", "several-chunks"])
-def test_a_group_load_lands_bit_for_bit_in_its_layers_only(planner, page, group, case):
+def test_a_group_load_lands_bit_for_bit_in_its_layers_only(staging_planner, page, group, case):
     area, hosts, device, loads = _setup(page)
     first, count = group
     if case == "one-run":
@@ -86,7 +75,7 @@ def test_a_group_load_lands_bit_for_bit_in_its_layers_only(planner, page, group,
 
 
 @pytest.mark.parametrize("page", [1, 4])
-def test_a_group_load_declines_and_refuses_what_a_staged_backup_does(planner, page):
+def test_a_group_load_declines_and_refuses_what_a_staged_backup_does(staging_planner, page):
     area, hosts, device, loads = _setup(page)
     before = [[t.clone() for t in layers] for layers in device]
     slots = hosts[0].shape[0] * (1 if page == 1 else page)
@@ -189,6 +178,8 @@ def test_a_pool_loads_layer_by_layer_through_group_loads_bit_for_bit(kind, layou
         for cache, want in zip(device_caches(device_pool), expected[layer]):
             assert torch.equal(cache[layer].view(torch.uint8), want.view(torch.uint8)), layer
     assert set(ran[start:end]) == {"staged"}
+    # The later layers' calls order the caller's stream after the group's event on the staging area's device.
+    assert pool._group_loaded.last.device == torch.device("cpu")
 
 
 def test_a_later_layer_with_other_indices_or_changed_ones_is_loaded_alone():

@@ -10,25 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fake_gpu
 from sglang_hicache_jit.errors import TransferIndexError
 from sglang_hicache_jit.transfer import staging
 
 LAYERS, ROW, DEVICE_ROWS, CHUNK_BLOCKS = 3, 6, 512, 8
 
 
-@pytest.fixture(autouse=True)
-def cpu_streams():
-    with fake_gpu.stub_streams():
-        yield
-
-
-@pytest.fixture(params=["ints", "tensors"])
-def planner(request, monkeypatch):
-    """Which planner backs up: Python ints (the default for small backups) or tensor ops (forced)."""
-    if request.param == "tensors":
-        monkeypatch.setattr(staging, "SMALL_BACKUP_TOKENS", 0)
-    return request.param
+pytestmark = pytest.mark.usefixtures("cpu_streams")
 
 
 def _area(page: int, slots: int):
@@ -60,7 +48,7 @@ def _pages(page: int, starts: list) -> torch.Tensor:
 
 @pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("case", ["one-run", "runs-out-of-order", "several-chunks"])
-def test_a_backup_lands_bit_for_bit_and_nowhere_else(planner, page, case):
+def test_a_backup_lands_bit_for_bit_and_nowhere_else(staging_planner, page, case):
     slots = 128 * page
     area, host, layers = _area(page, slots)
     # page_first stages runs of at least staging.MIN_RUN tokens on average (a block is a token there).
@@ -78,7 +66,7 @@ def test_a_backup_lands_bit_for_bit_and_nowhere_else(planner, page, case):
 
 
 @pytest.mark.parametrize("page", [1, 4])
-def test_both_planners_decline_and_refuse_the_same_inputs(planner, page):
+def test_both_planners_decline_and_refuse_the_same_inputs(staging_planner, page):
     slots = 64 * page
     area, host, _ = _area(page, slots)
     before = host.clone()

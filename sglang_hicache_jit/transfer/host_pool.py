@@ -539,13 +539,14 @@ class _GroupLoad:
 
     def __init__(self, side, first: int, host_indices, device_indices, done, device):
         self.side, self.first, self.done, self.device = side, first, done, device
-        self.host, self.device = route.host_indices(host_indices).clone(), route.host_indices(device_indices).clone()
+        self.host_values = route.host_indices(host_indices).clone()
+        self.device_values = route.host_indices(device_indices).clone()
 
     def covers(self, side, first: int, host_indices, device_indices) -> bool:
-        return (side is self.side and first == self.first and host_indices.numel() == self.host.numel()
-                and device_indices.numel() == self.device.numel()
-                and route._same_bytes(route.host_indices(host_indices), self.host)
-                and route._same_bytes(route.host_indices(device_indices), self.device))
+        return (side is self.side and first == self.first and host_indices.numel() == self.host_values.numel()
+                and device_indices.numel() == self.device_values.numel()
+                and route._same_bytes(route.host_indices(host_indices), self.host_values)
+                and route._same_bytes(route.host_indices(device_indices), self.device_values))
 
 
 def _owned_range(device_pool, layer_num: int) -> tuple[int, int]:

@@ -30,7 +30,6 @@ import math
 import torch
 
 from . import direct
-from ..errors import TransferIndexError
 from .staging import GATHER_BLOCKS, PageStaging, plan_chunks, staged_rows
 
 
@@ -91,13 +90,8 @@ class GroupLoads:
         blocks = area.host_blocks_of(host_indices)
         if blocks is None or not len(blocks):
             return blocks is not None
-        if not device_indices.is_cuda:
-            low, high = (int(v) for v in torch.aminmax(device_indices))
-            if low < 0:
-                return False  # a block copy cannot skip its token; the caller copies rows
-            if high >= area.device_rows:
-                raise TransferIndexError(f"device_indices holds index {high}, but the device pool has only "
-                                         f"{area.device_rows} slots")
+        if not device_indices.is_cuda and not area.device_indices_fit(device_indices):
+            return False
         group = self._groups.get((first_layer, layers))
         if group is None:
             group = self._groups[(first_layer, layers)] = _Group(area, first_layer, layers)

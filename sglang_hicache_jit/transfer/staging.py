@@ -153,16 +153,22 @@ class PageStaging:
             # its token), so it is sent past the end to be refused the same way.
             device_indices = device_indices.to(torch.int64)
             device_indices = device_indices.masked_fill(device_indices < 0, PAST_THE_END)
-        else:
-            low, high = (int(v) for v in torch.aminmax(device_indices))
-            if low < 0:
-                return False
-            if high >= self.device_rows:
-                raise TransferIndexError(f"device_indices holds index {high}, but the device pool has only "
-                                         f"{self.device_rows} slots")
+        elif not self.device_indices_fit(device_indices):
+            return False
         plan, parts = plan_chunks(self.pairs, blocks, self.chunk_blocks, self.max_run)
         with self._lock:
             self._submit(len(blocks), device_indices, plan, parts)
+        return True
+
+    def device_indices_fit(self, device_indices: torch.Tensor) -> bool:
+        """Whether a block copy can take ``device_indices`` (read on the host): False for a negative one (padding
+        a block copy cannot skip: the caller copies rows), TransferIndexError for one past the device pool."""
+        low, high = (int(v) for v in torch.aminmax(device_indices))
+        if low < 0:
+            return False
+        if high >= self.device_rows:
+            raise TransferIndexError(f"device_indices holds index {high}, but the device pool has only "
+                                     f"{self.device_rows} slots")
         return True
 
     def host_blocks_of(self, host_indices: torch.Tensor):
